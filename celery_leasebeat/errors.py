@@ -1,0 +1,31 @@
+"""The exceptions celery-leasebeat raises: one root, one class per kind of mistake."""
+
+from __future__ import annotations
+
+
+class LeaseBeatError(Exception):
+    """Root of every error raised by celery-leasebeat."""
+
+
+class ConfigurationError(LeaseBeatError):
+    """A ``leasebeat_*`` setting is malformed; the message names the setting."""
+
+
+class InvalidSchedule(LeaseBeatError):
+    """A schedule cannot be served: the message names the schedule and the bad value."""
+
+
+class InvalidCron(InvalidSchedule):
+    """A cron expression does not parse."""
+
+
+class UnknownTimezone(InvalidSchedule):
+    """A time zone is not a known IANA name."""
+
+
+class UnknownSchedule(LeaseBeatError):
+    """No schedule of that name exists in the schedule table."""
+
+
+class DatabaseUnavailable(LeaseBeatError):
+    """The schedule database could not be reached; the operation may be retried."""

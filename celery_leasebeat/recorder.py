@@ -1,0 +1,266 @@
+"""The worker side: run each delivered occurrence at most once and record what happened.
+
+Importing ``celery_leasebeat`` connects this to every Celery app in the process. When a
+worker starts, each task's ``run`` is wrapped once; the wrapper does nothing for ordinary
+messages, and for a message beat dispatched (it carries the ``leasebeat_*`` headers) it:
+
+1. marks the run started, fenced by the lease token, and skips the body (state IGNORED)
+   when the token no longer holds the lease (a newer claim owns the occurrence) or the run
+   already started or finished (a redelivered message);
+2. keeps the lease alive from a heartbeat thread while the body runs;
+3. records the outcome, the duration and the error, advances the schedule to its next
+   occurrence and releases the lease, fenced by the token.
+
+A pool child killed under a task (``WorkerLostError``, a hard time limit) never reaches
+step 3; the worker's main process records that failure from ``task_failure``. A worker
+killed outright records nothing: the lease expires and beat dispatches the occurrence
+again under the same task id.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, TypeVar
+
+from billiard.exceptions import WorkerLostError
+from celery import signals
+from celery.exceptions import Ignore, Reject, Retry, TimeLimitExceeded
+
+from .binding import store_for
+from .config import LeaseBeatConfig
+from .errors import DatabaseUnavailable
+from .store import RunState, Store
+
+logger = logging.getLogger("celery_leasebeat.recorder")
+
+HEADER_SCHEDULE = "leasebeat_schedule"
+HEADER_OCCURRENCE = "leasebeat_occurrence"
+HEADER_TOKEN = "leasebeat_token"
+
+#: A database blip at the start or the end of a run is retried this often before giving up
+#: (then the lease expires and beat re-dispatches: at-least-once, never lost).
+DATABASE_ATTEMPTS = 4
+DATABASE_RETRY_SECONDS = 0.5
+
+T = TypeVar("T")
+
+
+def wrap_tasks(app: Any) -> list[Any]:
+    """Wrap the ``run`` of every task of *app* not wrapped yet; return the newly wrapped."""
+    wrapped = []
+    for task in list(app.tasks.values()):
+        if getattr(task, "_leasebeat_wrapped", False) or task.name.startswith("celery."):
+            continue
+        _wrap(task)
+        wrapped.append(task)
+    return wrapped
+
+
+def _wrap(task: Any) -> None:
+    original = task.run
+
+    @functools.wraps(original)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        request = task.request
+        headers = getattr(request, "headers", None) or {}
+        token = headers.get(HEADER_TOKEN) or getattr(request, HEADER_TOKEN, None)
+        if not token:
+            return original(*args, **kwargs)
+        return _run_occurrence(task, request, headers, token, original, args, kwargs)
+
+    # An instance attribute: the tracer calls task.run (or task.__call__, which calls it).
+    task.run = run
+    task._leasebeat_wrapped = True
+
+
+def _header(request: Any, headers: dict[str, Any], name: str) -> Any:
+    return headers.get(name) or getattr(request, name, None)
+
+
+def _run_occurrence(
+    task: Any,
+    request: Any,
+    headers: dict[str, Any],
+    token: str,
+    body: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    app = task.app
+    config = LeaseBeatConfig.from_app(app)
+    store = store_for(app)
+    schedule = _header(request, headers, HEADER_SCHEDULE)
+    occurrence = datetime.fromisoformat(_header(request, headers, HEADER_OCCURRENCE))
+    run_id = request.id
+    label = f"{schedule}@{occurrence.isoformat()}"
+    try:
+        decision = _retrying(
+            lambda: store.start_run(
+                schedule=schedule,
+                run_id=run_id,
+                token=token,
+                worker=request.hostname or os.uname().nodename,
+                lease_seconds=config.lease_seconds,
+            )
+        )
+    except DatabaseUnavailable as exc:
+        logger.error("leasebeat: cannot start %s (task %s): %s; it will be dispatched again", label, run_id, exc)
+        raise Ignore() from None
+    if not decision.run:
+        logger.warning("leasebeat: not running %s (task %s): %s", label, run_id, decision.reason)
+        raise Ignore()
+
+    heartbeat.add(store, config, schedule, token)
+    started = time.monotonic()
+    outcome, error = RunState.SUCCEEDED, None
+    try:
+        return body(*args, **kwargs)
+    except Retry:
+        outcome = "retry"
+        raise
+    except (Ignore, Reject):
+        outcome = RunState.SKIPPED
+        raise
+    except Exception as exc:
+        outcome, error = RunState.FAILED, f"{type(exc).__name__}: {exc}"
+        raise
+    except BaseException:
+        outcome = ""  # the process is going away: leave the lease to expire and re-dispatch
+        raise
+    finally:
+        heartbeat.discard(schedule, token)
+        duration_ms = int((time.monotonic() - started) * 1000)
+        if outcome:
+            _record(store, outcome, schedule, run_id, token, occurrence, duration_ms, error, label)
+
+
+def _record(
+    store: Store,
+    outcome: str,
+    schedule: str,
+    run_id: str,
+    token: str,
+    occurrence: datetime,
+    duration_ms: int,
+    error: str | None,
+    label: str,
+) -> None:
+    try:
+        if outcome == "retry":
+            _retrying(lambda: store.defer_run(run_id=run_id, token=token))
+        else:
+            _retrying(
+                lambda: store.finish_run(
+                    schedule=schedule,
+                    run_id=run_id,
+                    token=token,
+                    occurrence=occurrence,
+                    outcome=outcome,
+                    duration_ms=duration_ms,
+                    error=error,
+                )
+            )
+    except DatabaseUnavailable as exc:
+        logger.error("leasebeat: could not record %s of %s: %s; the lease will expire", outcome, label, exc)
+
+
+def _retrying(operation: Callable[[], T]) -> T:
+    for attempt in range(1, DATABASE_ATTEMPTS + 1):
+        try:
+            return operation()
+        except DatabaseUnavailable as exc:
+            if attempt == DATABASE_ATTEMPTS:
+                raise
+            logger.warning("leasebeat: %s; retrying (%d of %d)", exc, attempt, DATABASE_ATTEMPTS - 1)
+            time.sleep(DATABASE_RETRY_SECONDS * attempt)
+    raise AssertionError("unreachable")
+
+
+class _Heartbeat:
+    """One daemon thread per process extending the leases of the runs executing in it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._leases: dict[tuple[str, str], tuple[Store, LeaseBeatConfig]] = {}
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._wake = threading.Event()
+
+    def add(self, store: Store, config: LeaseBeatConfig, schedule: str, token: str) -> None:
+        with self._lock:
+            self._leases[(schedule, token)] = (store, config)
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._loop, name="leasebeat-heartbeat", daemon=True)
+                self._thread.start()
+
+    def discard(self, schedule: str, token: str) -> None:
+        with self._lock:
+            self._leases.pop((schedule, token), None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                leases = dict(self._leases)
+            interval = min((config.heartbeat_interval for _, config in leases.values()), default=1.0)
+            self._wake.wait(interval)
+            with self._lock:
+                leases = {key: value for key, value in self._leases.items() if key in leases}
+            by_store: dict[int, tuple[Store, LeaseBeatConfig, list[tuple[str, str]]]] = {}
+            for (schedule, token), (store, config) in leases.items():
+                by_store.setdefault(id(store), (store, config, []))[2].append((schedule, token))
+            for store, config, pairs in by_store.values():
+                try:
+                    lost = store.extend_leases(pairs, config.lease_seconds)
+                except Exception as exc:  # keep beating: the next round may reach the database
+                    logger.warning("leasebeat: could not extend leases: %s", exc)
+                    continue
+                for name in lost:
+                    logger.warning("leasebeat: the lease of running schedule %s was lost; another claim may run it", name)
+
+
+heartbeat = _Heartbeat()
+
+
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is not None:
+        wrap_tasks(app)
+
+
+def _on_worker_process_init(**_: Any) -> None:
+    from celery import current_app
+    from celery.app.trace import build_tracer
+
+    app = current_app._get_current_object()
+    store = getattr(app, "_leasebeat_store", None)
+    if store is not None:
+        store.dispose(close=False)  # pooled connections must not cross a fork
+    for task in wrap_tasks(app):  # registered after worker_init: rebuild their tracers
+        if getattr(task, "__trace__", None) is not None:
+            task.__trace__ = build_tracer(task.name, task, app.loader, app=app)
+
+
+def _on_task_failure(sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any) -> None:
+    """A pool child died under a task: only the main process hears of it."""
+    if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or sender is None or task_id is None:
+        return
+    try:
+        store_for(sender.app).fail_run(run_id=task_id, error=f"{type(exception).__name__}: {exception}")
+    except Exception as exc:
+        logger.error("leasebeat: could not record the failure of task %s: %s", task_id, exc)
+
+
+def connect_signals() -> None:
+    """Connect the worker-side handlers (idempotent; done when celery_leasebeat is imported)."""
+    signals.worker_init.connect(_on_worker_init, weak=False, dispatch_uid="leasebeat-worker-init")
+    signals.worker_process_init.connect(
+        _on_worker_process_init, weak=False, dispatch_uid="leasebeat-worker-process-init"
+    )
+    signals.task_failure.connect(_on_task_failure, weak=False, dispatch_uid="leasebeat-task-failure")

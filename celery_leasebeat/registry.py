@@ -1,0 +1,256 @@
+"""Where schedules come from: ``register_schedule()`` calls and an existing ``beat_schedule``.
+
+Registrations accumulate on the app from any module. When beat starts, they are merged
+with every entry of ``app.conf.beat_schedule`` (and Celery's default
+``celery.backend_cleanup``), the ``leasebeat_overrides`` setting is applied, and each
+definition is validated; the store then upserts them by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from celery import Celery, Task
+from celery.schedules import crontab, schedule
+
+from .config import LeaseBeatConfig
+from .errors import InvalidSchedule
+from .store.records import ScheduleDefinition
+
+logger = logging.getLogger("celery_leasebeat.registry")
+
+_REGISTRY_ATTRIBUTE = "_leasebeat_registrations"
+
+
+def register_schedule(
+    task: Task | str,
+    cron: Any = None,
+    *,
+    name: str | None = None,
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timezone: str = "UTC",
+    options: Mapping[str, Any] | None = None,
+    app: Celery | None = None,
+) -> ScheduleDefinition:
+    """Register *task* to run on a schedule under LeaseScheduler.
+
+    *cron* is a cron expression (5 fields, or 6 with seconds first), evaluated in the IANA
+    *timezone*; a number of seconds, a ``timedelta``, a ``celery.schedules.schedule`` or a
+    ``crontab`` are accepted too, exactly as in ``beat_schedule``. It may be None only when
+    the ``leasebeat_overrides`` setting supplies the expression. *name* defaults to the
+    task's name. An invalid expression or zone raises
+    :class:`~celery_leasebeat.errors.InvalidSchedule` here, naming the schedule.
+    """
+    task_name = task if isinstance(task, str) else task.name
+    if not task_name:
+        raise InvalidSchedule(f"register_schedule() needs a task or a task name, got {task!r}")
+    if app is None:
+        app = task.app if isinstance(task, Task) else _current_app()
+    schedule_name = name or task_name
+    definition = _definition(
+        schedule_name,
+        task_name,
+        cron,
+        timezone=timezone,
+        args=args,
+        kwargs=kwargs,
+        options=options,
+        app=app,
+        allow_missing=True,
+    )
+    if definition.cron is not None or definition.kind == "interval":
+        validate(definition)
+    registrations(app)[schedule_name] = definition
+    return definition
+
+
+class Registrations(dict[str, ScheduleDefinition]):
+    """The definitions registered on one app, by name, with a version that every change
+    bumps, so beat notices a late registration without comparing every entry each cycle."""
+
+    version = 0
+
+    def __setitem__(self, name: str, definition: ScheduleDefinition) -> None:
+        super().__setitem__(name, definition)
+        self.version += 1
+
+    def __delitem__(self, name: str) -> None:
+        super().__delitem__(name)
+        self.version += 1
+
+
+def registrations(app: Celery) -> Registrations:
+    """The definitions registered on *app* so far (mutable: it is the registry)."""
+    registry = getattr(app, _REGISTRY_ATTRIBUTE, None)
+    if registry is None:
+        registry = Registrations()
+        setattr(app, _REGISTRY_ATTRIBUTE, registry)
+    return registry
+
+
+def collect_definitions(app: Celery, config: LeaseBeatConfig) -> list[ScheduleDefinition]:
+    """Every schedule this app defines, overrides applied, each validated.
+
+    Raises :class:`InvalidSchedule` naming the first entry that cannot be served.
+    """
+    definitions: dict[str, ScheduleDefinition] = {}
+    for entry_name, entry in _beat_schedule_with_defaults(app).items():
+        if not isinstance(entry, Mapping) or "task" not in entry or "schedule" not in entry:
+            raise InvalidSchedule(
+                f"beat_schedule entry {entry_name!r} must be a dict with 'task' and 'schedule'"
+            )
+        definitions[entry_name] = _definition(
+            entry_name,
+            entry["task"],
+            entry["schedule"],
+            timezone=_app_timezone(app),
+            args=entry.get("args", ()),
+            kwargs=entry.get("kwargs"),
+            options=entry.get("options"),
+            app=app,
+            allow_missing=False,
+        )
+    for registered_name, definition in registrations(app).items():
+        if registered_name in definitions:
+            raise InvalidSchedule(
+                f"schedule {registered_name!r} is both registered with register_schedule() "
+                f"and an entry of beat_schedule; give one of them another name"
+            )
+        definitions[registered_name] = definition
+    for override_name, expression in config.overrides.items():
+        if override_name in definitions and expression.strip():
+            current = definitions[override_name]
+            definitions[override_name] = ScheduleDefinition(
+                name=current.name,
+                task=current.task,
+                kind="crontab" if current.kind == "crontab" else "cron",
+                cron=expression.strip(),
+                timezone=current.timezone,
+                args=current.args,
+                kwargs=current.kwargs,
+                options=current.options,
+            )
+    for definition in definitions.values():
+        if definition.kind != "interval" and definition.cron is None:
+            raise InvalidSchedule(
+                f"schedule {definition.name!r} has no cron expression: pass one to "
+                f"register_schedule() or set leasebeat_overrides[{definition.name!r}]"
+            )
+        validate(definition)
+    return list(definitions.values())
+
+
+def validate(definition: ScheduleDefinition) -> ScheduleDefinition:
+    """Raise :class:`InvalidSchedule` (naming the schedule) unless it can be served."""
+    definition.spec().validate(schedule=definition.name)
+    for label, value in (("args", definition.args), ("kwargs", definition.kwargs), ("options", definition.options)):
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidSchedule(
+                f"schedule {definition.name!r}: {label} must be JSON-serialisable to be stored "
+                f"in the schedule table: {exc}"
+            ) from None
+    return definition
+
+
+def _definition(
+    name: str,
+    task: str,
+    value: Any,
+    *,
+    timezone: str,
+    args: Any,
+    kwargs: Mapping[str, Any] | None,
+    options: Mapping[str, Any] | None,
+    app: Celery,
+    allow_missing: bool,
+) -> ScheduleDefinition:
+    common: dict[str, Any] = {
+        "name": name,
+        "task": task,
+        "args": list(args or ()),
+        "kwargs": dict(kwargs or {}),
+        "options": dict(options or {}),
+    }
+    if value is None and allow_missing:
+        return ScheduleDefinition(kind="cron", cron=None, timezone=timezone, **common)
+    if isinstance(value, str):
+        return ScheduleDefinition(kind="cron", cron=" ".join(value.split()), timezone=timezone, **common)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return ScheduleDefinition(kind="interval", interval_seconds=float(value), timezone=timezone, **common)
+    if isinstance(value, timedelta):
+        return ScheduleDefinition(
+            kind="interval", interval_seconds=value.total_seconds(), timezone=timezone, **common
+        )
+    if isinstance(value, crontab):
+        return ScheduleDefinition(
+            kind="crontab", cron=crontab_expression(value), timezone=_app_timezone(app), **common
+        )
+    if type(value) is schedule:
+        return ScheduleDefinition(
+            kind="interval", interval_seconds=value.run_every.total_seconds(), timezone=timezone, **common
+        )
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    raise InvalidSchedule(
+        f"schedule {name!r}: LeaseScheduler cannot serve a {kind} schedule; use a cron "
+        f"expression, a crontab, a number of seconds, a timedelta or celery.schedules.schedule"
+    )
+
+
+def crontab_expression(value: crontab) -> str:
+    """Celery's ``crontab`` as a 5-field expression over the same sets of values.
+
+    Fields keep ``*`` and ``*/n`` where they came that way (the DST rule for repeated wall
+    times looks at the hour field); anything else is spelled out as a list.
+    """
+
+    def field(values: set[int], full: range, original: Any) -> str:
+        if set(values) == set(full):
+            return "*"
+        text = str(original).replace(" ", "")
+        if text.startswith("*/") and text[2:].isdigit():
+            return text
+        return ",".join(str(v) for v in sorted(values))
+
+    return " ".join(
+        (
+            field(value.minute, range(60), value._orig_minute),
+            field(value.hour, range(24), value._orig_hour),
+            field(value.day_of_month, range(1, 32), value._orig_day_of_month),
+            field(value.month_of_year, range(1, 13), value._orig_month_of_year),
+            field(value.day_of_week, range(7), value._orig_day_of_week),
+        )
+    )
+
+
+def _beat_schedule_with_defaults(app: Celery) -> dict[str, Any]:
+    """``beat_schedule`` plus the entry Celery's own scheduler installs by default."""
+    entries = dict(app.conf.beat_schedule or {})
+    if app.conf.result_expires and not app.backend.supports_autoexpire:
+        entries.setdefault(
+            "celery.backend_cleanup",
+            {
+                "task": "celery.backend_cleanup",
+                "schedule": crontab("0", "4", "*"),
+                "options": {"expires": 12 * 3600},
+            },
+        )
+    return entries
+
+
+def _app_timezone(app: Celery) -> str:
+    zone = app.timezone
+    return getattr(zone, "key", None) or str(zone)
+
+
+def _current_app() -> Celery:
+    from celery import current_app
+
+    return current_app._get_current_object()  # type: ignore[no-any-return]

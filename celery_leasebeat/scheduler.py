@@ -1,0 +1,352 @@
+"""``LeaseScheduler``: the Celery beat scheduler, thin glue over the store.
+
+Each ``tick`` is one cycle: read the database clock (one indexed probe), claim the due
+occurrences in batches, publish each as a Celery task under its deterministic run id over
+one producer connection, and return how long to sleep: until the earliest moment anything
+can become due, capped by the polling interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from celery.beat import Scheduler
+from kombu.exceptions import OperationalError as BrokerOperationalError
+
+from .binding import store_for
+from .config import LeaseBeatConfig
+from .errors import DatabaseUnavailable, InvalidSchedule
+from .recorder import HEADER_OCCURRENCE, HEADER_SCHEDULE, HEADER_TOKEN
+from .registry import collect_definitions, registrations
+from .store import ClaimedRun, Probe, RunState, Store
+from .timing import Spec
+
+logger = logging.getLogger("celery_leasebeat.scheduler")
+
+#: While a run this replica dispatched is overdue (its next occurrence has passed and the
+#: lease is still held), how often to look whether it has finished, so a schedule whose run
+#: overran resumes promptly without waiting a whole polling interval.
+OVERRUN_RECHECK_SECONDS = 1.0
+#: Back-off after a failed cycle (database or broker away): doubles up to the polling
+#: interval, so an outage is retried quickly at first and never crash-loops.
+FIRST_BACKOFF_SECONDS = 1.0
+#: After a claim found nothing although the probe saw a due row (another replica took it
+#: between the two statements), look again almost at once.
+CONTENDED_RETRY_SECONDS = 0.05
+
+
+@dataclass
+class _InFlight:
+    token: str
+    following: datetime
+    lease_until: datetime
+
+
+class LeaseScheduler(Scheduler):
+    """Celery beat scheduler that keeps schedules in SQL and leases every occurrence, so any
+    number of replicas run at once and each occurrence is dispatched exactly once.
+
+    ``celery -A proj beat -S celery_leasebeat.LeaseScheduler`` (or ``-S leasebeat``).
+    """
+
+    def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        self._config: LeaseBeatConfig | None = None
+        self._store: Store | None = None
+        self._definitions: list[Any] = []
+        self._synced_version: int | None = None
+        self._failures = 0
+        self._inflight: dict[str, _InFlight] = {}
+        self._publisher: Any = None
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        super().__init__(app, *args, **kwargs)
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def setup_schedule(self) -> None:
+        """Validate the settings and every schedule; stop beat with a clear message if any is
+        malformed. Touches no database: the first tick syncs the registrations."""
+        self._config = LeaseBeatConfig.from_app(self.app)
+        self.max_interval = self._config.polling_interval
+        self._definitions = collect_definitions(self.app, self._config)
+        self._check_tasks()
+        self._store = store_for(self.app)
+        logger.info(
+            "beat: leasebeat using %s with %d schedule(s), lease %ss, polling %ss, replica %s",
+            self._store.safe_url, len(self._definitions), self._config.lease_seconds,
+            self._config.polling_interval, self.owner,
+        )
+
+    def _check_tasks(self) -> None:
+        assert self._config is not None
+        if not self._config_flag("leasebeat_check_tasks", True):
+            return
+        known = self.app.tasks
+        for definition in self._definitions:
+            if definition.task not in known:
+                raise InvalidSchedule(
+                    f"schedule {definition.name!r}: unknown task {definition.task!r} (not "
+                    f"registered in this app; import its module, or set "
+                    f"leasebeat_check_tasks = False to send tasks by name)"
+                )
+
+    def _config_flag(self, name: str, default: bool) -> bool:
+        value = self.app.conf.get(name)
+        return default if value is None else bool(value)
+
+    @property
+    def info(self) -> str:
+        try:
+            config = LeaseBeatConfig.from_app(self.app)
+        except Exception as exc:  # the banner must never be what fails
+            return f"    . leasebeat -> invalid settings: {exc}"
+        url = store_for(self.app).safe_url
+        return (
+            f"    . leasebeat -> {url}\n"
+            f"    . lease -> {config.lease_seconds}s, polling -> {config.polling_interval}s"
+        )
+
+    # -- the cycle ---------------------------------------------------------------------------
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """One cycle; returns the seconds to sleep. A database or broker outage is logged and
+        retried with back-off, never raised: beat keeps running."""
+        assert self._config is not None and self._store is not None
+        try:
+            self._sync_if_needed()
+            wait = self._cycle()
+        except DatabaseUnavailable as exc:
+            return self._back_off(f"beat: {exc}")
+        except _BrokerUnavailable as exc:
+            return self._back_off(f"beat: broker unavailable: {exc}")
+        if self._failures:
+            logger.info("beat: database and broker reachable again")
+            self._failures = 0
+        return wait
+
+    def _back_off(self, message: str) -> float:
+        assert self._config is not None and self._store is not None
+        self._failures += 1
+        delay = min(FIRST_BACKOFF_SECONDS * 2 ** (self._failures - 1), self._config.polling_interval)
+        logger.error("%s; retrying in %.1fs (failure %d)", message, delay, self._failures)
+        # The database may come back empty or restored: check the tables and upsert again.
+        self._synced_version = None
+        self._store._schema_ready = False
+        return delay
+
+    def _sync_if_needed(self) -> None:
+        assert self._store is not None and self._config is not None
+        registry = registrations(self.app)
+        if self._synced_version == registry.version:
+            return
+        if self._synced_version is not None:  # registered after start: validate again
+            self._definitions = collect_definitions(self.app, self._config)
+        report = self._store.sync(self._definitions, remove_missing=True)
+        self._synced_version = registry.version
+        for label, names in (
+            ("added", report.inserted), ("retimed", report.retimed),
+            ("updated", report.updated), ("removed (no longer registered)", report.removed),
+        ):
+            if names:
+                logger.info("beat: schedules %s: %s", label, ", ".join(sorted(names)))
+
+    def _cycle(self) -> float:
+        assert self._store is not None and self._config is not None
+        probe = self._store.probe()
+        if probe.next_due is not None and probe.next_due <= probe.now:
+            claims = self._store.claim(
+                probe.now,
+                limit=self._config.batch_size,
+                lease_seconds=self._config.lease_seconds,
+                owner=self.owner,
+            )
+            if not claims:
+                return CONTENDED_RETRY_SECONDS
+            self._handle(claims, probe.now)
+            # More may be due (a full batch) and the wait must be computed from a fresh
+            # probe that sees what this cycle changed: tick again at once.
+            return 0.0
+        return self._wait(probe)
+
+    def _handle(self, claims: list[ClaimedRun], now: datetime) -> None:
+        assert self._store is not None and self._config is not None
+        to_publish = []
+        for claim in claims:
+            if claim.attempt > self._config.max_attempts:
+                reason = (
+                    f"no outcome after {claim.attempt - 1} dispatches: the run never reported "
+                    f"back (are the workers importing celery_leasebeat?)"
+                )
+                logger.warning("beat: %s@%s recorded as lost: %s", claim.schedule, claim.occurrence.isoformat(), reason)
+                self._store.give_up(claim, now, reason)
+                continue
+            if claim.attempt > 1:
+                logger.warning(
+                    "beat: no outcome arrived for %s@%s within its lease; dispatching it "
+                    "again (attempt %d of %d). Workers record outcomes only when they import "
+                    "celery_leasebeat.",
+                    claim.schedule, claim.occurrence.isoformat(), claim.attempt, self._config.max_attempts,
+                )
+            to_publish.append(claim)
+        published, unpublished, broker_error = self._publish(to_publish, now)
+        if published:
+            logger.info(
+                "beat: dispatched %d occurrence(s): %s", len(published),
+                ", ".join(f"{c.schedule}@{c.occurrence.isoformat()}" for c in published[:5])
+                + (" ..." if len(published) > 5 else ""),
+            )
+            self._store.mark_dispatched(published[0].lease_token, [c.run_id for c in published])
+            for claim in published:
+                self._inflight[claim.schedule] = _InFlight(
+                    claim.lease_token, _following(claim.spec, claim.occurrence, now), claim.lease_until
+                )
+        if unpublished:
+            self._store.release(unpublished, f"publish failed: {broker_error}")
+            raise _BrokerUnavailable(
+                f"{broker_error}; released {len(unpublished)} claimed occurrence(s) for retry"
+            )
+
+    def _publish(
+        self, claims: list[ClaimedRun], now: datetime
+    ) -> tuple[list[ClaimedRun], list[ClaimedRun], str | None]:
+        """Publish *claims* in order over one connection. On a broker error, stop and return
+        the rest as unpublished; a message that cannot be built at all is recorded failed."""
+        assert self._store is not None
+        if not claims:
+            return [], [], None
+        try:
+            producer = self._producer()
+        except Exception as exc:
+            self._drop_producer()
+            return [], claims, _describe(exc)
+        published: list[ClaimedRun] = []
+        for index, claim in enumerate(claims):
+            try:
+                self._send(claim, producer)
+            except (BrokerOperationalError, *self._connection_errors()) as exc:
+                self._drop_producer()
+                return published, claims[index:], _describe(exc)
+            except Exception as exc:
+                reason = f"could not be published: {_describe(exc)}"
+                logger.error("beat: %s@%s %s", claim.schedule, claim.occurrence.isoformat(), reason)
+                self._store.give_up(claim, now, reason, outcome=RunState.FAILED)
+                continue
+            published.append(claim)
+        return published, [], None
+
+    def _send(self, claim: ClaimedRun, producer: Any) -> None:
+        options = dict(claim.options)
+        headers = dict(options.pop("headers", None) or {})
+        headers.update(
+            {
+                HEADER_SCHEDULE: claim.schedule,
+                HEADER_OCCURRENCE: claim.occurrence.isoformat(),
+                HEADER_TOKEN: claim.lease_token,
+                "celery_beat_task": True,
+            }
+        )
+        for reserved in ("task_id", "producer", "shadow"):
+            options.pop(reserved, None)
+        task = self.app.tasks.get(claim.task)
+        send = task.apply_async if task is not None else self._send_by_name(claim.task)
+        send(
+            claim.args,
+            claim.kwargs,
+            task_id=claim.run_id,
+            headers=headers,
+            producer=producer,
+            # Flower and worker logs show this name: schedule and occurrence at a glance.
+            shadow=f"{claim.task}[{claim.schedule}@{claim.occurrence.isoformat()}]",
+            **options,
+        )
+
+    def _send_by_name(self, name: str) -> Any:
+        def send(args: Any, kwargs: Any, **options: Any) -> Any:
+            return self.app.send_task(name, args, kwargs, **options)
+
+        return send
+
+    def _producer(self) -> Any:
+        if self._publisher is None:
+            connection = self.app.connection_for_write()
+            try:
+                connection.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.4, interval_max=1)
+            except Exception:
+                connection.release()
+                raise
+            self._publisher = self.Producer(connection, auto_declare=False)
+        return self._publisher
+
+    def _connection_errors(self) -> tuple[type[BaseException], ...]:
+        if self._publisher is None:
+            return ()
+        connection = self._publisher.connection
+        return tuple(connection.connection_errors) + tuple(connection.channel_errors)
+
+    def _drop_producer(self) -> None:
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            try:
+                publisher.connection.release()
+            except Exception:  # already broken; nothing more to free
+                logger.debug("beat: error closing the broker connection", exc_info=True)
+
+    def _wait(self, probe: Probe) -> float:
+        """Seconds until the earliest moment something can be due, capped by the polling
+        interval: the earliest unleased ``next_run_at``, the earliest lease expiry, and the
+        next occurrence of each run this replica has in flight (usually finished and
+        released by then)."""
+        assert self._store is not None and self._config is not None
+        now = probe.now
+        candidates = [t for t in (probe.next_due, probe.next_expiry) if t is not None]
+        overdue = []
+        for name, flight in list(self._inflight.items()):
+            if flight.lease_until <= now:
+                del self._inflight[name]  # the probe's lease expiry covers it from here on
+            elif flight.following > now:
+                candidates.append(flight.following)
+            else:
+                overdue.append((name, flight.token))
+        if overdue:
+            still_running = self._store.still_leased(overdue)
+            for name, _token in overdue:
+                if name not in still_running:
+                    del self._inflight[name]
+            if len(still_running) < len(overdue):
+                return 0.0  # a run finished after the probe: its next occurrence is unseen
+            return min(OVERRUN_RECHECK_SECONDS, self._config.polling_interval)
+        if not candidates:
+            return self._config.polling_interval
+        wait = (min(candidates) - now).total_seconds()
+        return max(0.0, min(wait, self._config.polling_interval))
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Nothing to flush: every change is written when it happens."""
+
+    def close(self) -> None:
+        self._drop_producer()
+        if self._store is not None:
+            self._store.dispose()
+        super().close()
+
+
+class _BrokerUnavailable(Exception):
+    """Publishing failed on a connection error; the claims were released."""
+
+
+@lru_cache(maxsize=4096)
+def _following(spec: Spec, occurrence: datetime, now: datetime) -> datetime:
+    """The next occurrence after the one just dispatched (or, when catching up, after now).
+    Cached: a burst of schedules with one expression and one occurrence computes it once."""
+    return spec.next_after(max(occurrence, now), previous=occurrence)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

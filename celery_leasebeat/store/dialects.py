@@ -1,0 +1,108 @@
+"""The few statements that differ between PostgreSQL, MySQL/MariaDB and SQLite."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import ColumnElement, Executable, Select, Table, Update, func, type_coerce
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.engine import Engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import ClauseElement
+
+from .tables import UTCDateTime
+
+
+def is_mysql(engine: Engine) -> bool:
+    return engine.dialect.name in ("mysql", "mariadb")
+
+
+def database_now(engine: Engine) -> ColumnElement[Any]:
+    """The database's clock as a naive UTC timestamp, constant within one statement."""
+    name = engine.dialect.name
+    if name == "postgresql":
+        expression = func.timezone("UTC", func.statement_timestamp())
+    elif is_mysql(engine):
+        expression = func.utc_timestamp(6)
+    elif name == "sqlite":
+        # "%f" is seconds with milliseconds; pad to the microseconds SQLAlchemy stores so
+        # that text comparison with stored values orders correctly.
+        expression = func.strftime("%Y-%m-%d %H:%M:%f000", "now")
+    else:  # pragma: no cover - guarded by Store.__init__
+        raise NotImplementedError(name)
+    return type_coerce(expression, UTCDateTime())
+
+
+def claim_statement(
+    engine: Engine, table: Table, due: ColumnElement[bool], values: dict[str, Any], limit: int
+) -> Executable:
+    """One atomic UPDATE that leases up to *limit* due rows, earliest first.
+
+    PostgreSQL selects the batch with ``FOR UPDATE SKIP LOCKED`` so concurrent replicas
+    take disjoint batches instead of queueing on each other's rows; SQLite serialises
+    writers anyway. MySQL cannot update a table it selects from in a subquery, but takes
+    ``ORDER BY ... LIMIT`` on a single-table UPDATE, which skips rows another replica has
+    just claimed because InnoDB re-reads the latest committed row under its lock. The
+    ``due`` condition is repeated on the outer statement so that a row leased between
+    the subquery's snapshot and the update is never taken twice.
+    """
+    if is_mysql(engine):
+        return _OrderedLimitedUpdate(
+            table.update().where(due).values(**values), table.c.next_run_at, limit
+        )
+    batch: Select[Any] = (
+        table.select()
+        .with_only_columns(table.c.name)
+        .where(due)
+        .order_by(table.c.next_run_at)
+        .limit(limit)
+    )
+    if engine.dialect.name == "postgresql":
+        batch = batch.with_for_update(skip_locked=True)
+    return table.update().where(table.c.name.in_(batch)).where(due).values(**values)
+
+
+def insert_ignoring_duplicates(engine: Engine, table: Table) -> Any:
+    """An INSERT that leaves an existing row (same primary key) alone."""
+    if engine.dialect.name == "postgresql":
+        return postgresql.insert(table).on_conflict_do_nothing()
+    if engine.dialect.name == "sqlite":
+        return sqlite.insert(table).on_conflict_do_nothing()
+    return mysql.insert(table).prefix_with("IGNORE")
+
+
+def upsert(engine: Engine, table: Table, rows: list[dict[str, Any]], update: list[str]) -> Any:
+    """A multi-row INSERT that overwrites the columns *update* of rows that already exist."""
+    if engine.dialect.name == "postgresql":
+        pg = postgresql.insert(table).values(rows)
+        return pg.on_conflict_do_update(
+            index_elements=list(table.primary_key.columns),
+            set_={name: pg.excluded[name] for name in update},
+        )
+    if engine.dialect.name == "sqlite":
+        lite = sqlite.insert(table).values(rows)
+        return lite.on_conflict_do_update(
+            index_elements=list(table.primary_key.columns),
+            set_={name: lite.excluded[name] for name in update},
+        )
+    my = mysql.insert(table).values(rows)
+    return my.on_duplicate_key_update({name: my.inserted[name] for name in update})
+
+
+class _OrderedLimitedUpdate(Executable, ClauseElement):
+    """``UPDATE ... ORDER BY ... LIMIT n`` for MySQL/MariaDB, which SQLAlchemy lacks."""
+
+    inherit_cache = False
+    is_dml = True
+
+    def __init__(self, update: Update, order_by: ColumnElement[Any], limit: int) -> None:
+        self.update = update
+        self.order_by = order_by
+        self.limit = int(limit)
+
+
+@compiles(_OrderedLimitedUpdate)
+def _compile_ordered_limited_update(element: _OrderedLimitedUpdate, compiler: Any, **kw: Any) -> str:
+    statement = compiler.process(element.update, **kw)
+    order = compiler.process(element.order_by, **kw)
+    return f"{statement} ORDER BY {order} LIMIT {element.limit}"

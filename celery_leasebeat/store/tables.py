@@ -1,0 +1,136 @@
+"""The two tables, as SQLAlchemy Core ``Table`` objects built in one function.
+
+``schedules`` holds one row per schedule: its definition, when it fires next, what happened
+last, and the lease of the occurrence in flight. ``runs`` is the ledger: one row per claimed
+occurrence, unique on ``(schedule, occurrence)``; its primary key is the Celery task id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    DateTime,
+    Dialect,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects import mysql
+from sqlalchemy.types import TypeDecorator, TypeEngine
+
+UTC = timezone.utc
+
+# Names and tokens are short; these lengths fit every backend's index-key limit.
+NAME_LENGTH = 200
+TOKEN_LENGTH = 36
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A UTC instant, stored naive (no backend agrees on zone storage) with microseconds,
+    returned aware."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(DateTime())
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(UTC).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, str):  # SQLite's clock function returns text
+            value = datetime.fromisoformat(value)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+@dataclass(frozen=True)
+class Tables:
+    metadata: MetaData
+    schedules: Table
+    runs: Table
+
+
+def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Tables:
+    """Build the tables on a fresh ``MetaData``; *prefix* and *schema* place them."""
+    metadata = MetaData(schema=schema)
+    schedules = Table(
+        f"{prefix}schedules",
+        metadata,
+        Column("name", String(NAME_LENGTH), primary_key=True),
+        Column("task", String(255), nullable=False),
+        Column("args", JSON, nullable=False),
+        Column("kwargs", JSON, nullable=False),
+        Column("options", JSON, nullable=False),
+        # "cron" (standard cron), "crontab" (Celery's: day-of-month AND day-of-week), "interval"
+        Column("kind", String(16), nullable=False),
+        Column("cron", String(NAME_LENGTH)),
+        Column("interval_seconds", Float),
+        Column("timezone", String(64), nullable=False),
+        # The operator's override: wins over ``cron`` when set and non-blank.
+        Column("override_cron", String(NAME_LENGTH)),
+        Column("enabled", Boolean, nullable=False, default=True),
+        # Where the row came from: "code" rows follow the registrations and are removed
+        # when no longer registered.
+        Column("origin", String(16), nullable=False, default="code"),
+        # The next occurrence not yet run; while a lease is held, the occurrence in flight.
+        Column("next_run_at", UTCDateTime, nullable=False),
+        Column("last_run_at", UTCDateTime),
+        Column("last_outcome", String(16)),
+        Column("last_duration_ms", Integer),
+        Column("last_error", Text),
+        Column("lease_until", UTCDateTime),
+        Column("lease_token", String(TOKEN_LENGTH)),
+        Column("lease_owner", String(255)),
+        # Dispatches of the occurrence in flight without an outcome (1 on a fresh claim).
+        Column("attempt", Integer, nullable=False, default=0),
+        Column("created_at", UTCDateTime, nullable=False),
+        Column("updated_at", UTCDateTime, nullable=False),
+        Column("version", Integer, nullable=False, default=1),
+        Index(f"ix_{prefix}schedules_next_run_at", "next_run_at"),
+        Index(f"ix_{prefix}schedules_lease_until", "lease_until"),
+        Index(f"ix_{prefix}schedules_lease_token", "lease_token"),
+    )
+    runs = Table(
+        f"{prefix}runs",
+        metadata,
+        Column("id", String(TOKEN_LENGTH), primary_key=True),
+        Column("schedule", String(NAME_LENGTH), nullable=False),
+        Column("occurrence", UTCDateTime, nullable=False),
+        # claimed, dispatched, publish_failed, started, succeeded, failed, skipped, lost
+        Column("state", String(16), nullable=False),
+        Column("attempts", Integer, nullable=False, default=1),
+        Column("lease_token", String(TOKEN_LENGTH)),
+        Column("replica", String(255)),
+        Column("claimed_at", UTCDateTime),
+        Column("dispatched_at", UTCDateTime),
+        Column("started_at", UTCDateTime),
+        Column("finished_at", UTCDateTime),
+        Column("duration_ms", Integer),
+        Column("worker", String(255)),
+        Column("error", Text),
+        # Occurrences dropped after this one because they elapsed before it finished.
+        Column("missed_count", Integer, nullable=False, default=0),
+        UniqueConstraint("schedule", "occurrence", name=f"uq_{prefix}runs_occurrence"),
+        Index(f"ix_{prefix}runs_finished_at", "finished_at"),
+    )
+    return Tables(metadata=metadata, schedules=schedules, runs=runs)
