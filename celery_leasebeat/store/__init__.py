@@ -357,12 +357,13 @@ class Store:
         s, r = self.tables.schedules, self.tables.runs
         token = uuid.uuid4().hex
         lease_until = now + timedelta(seconds=lease_seconds)
-        values = {
-            "lease_token": token,
-            "lease_until": lease_until,
-            "lease_owner": owner,
-            "attempt": case((s.c.lease_token.is_(None), 1), else_=s.c.attempt + 1),
-        }
+        values = [
+            # First: it reads the lease_token this statement overwrites.
+            ("attempt", case((s.c.lease_token.is_(None), 1), else_=s.c.attempt + 1)),
+            ("lease_token", token),
+            ("lease_until", lease_until),
+            ("lease_owner", owner),
+        ]
         with self._transaction() as connection:
             result = connection.execute(claim_statement(self.engine, s, self._due(now), values, limit))
             if not result.rowcount:

@@ -8,7 +8,6 @@ from sqlalchemy import ColumnElement, Executable, Select, Table, Update, func, t
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.expression import ClauseElement
 
 from .tables import UTCDateTime
 
@@ -34,22 +33,22 @@ def database_now(engine: Engine) -> ColumnElement[Any]:
 
 
 def claim_statement(
-    engine: Engine, table: Table, due: ColumnElement[bool], values: dict[str, Any], limit: int
+    engine: Engine, table: Table, due: ColumnElement[bool], values: list[tuple[str, Any]], limit: int
 ) -> Executable:
     """One atomic UPDATE that leases up to *limit* due rows, earliest first.
 
-    PostgreSQL selects the batch with ``FOR UPDATE SKIP LOCKED`` so concurrent replicas
+    PostgreSQL selects the batch with ``FOR UPDATE SKIP LOCKED`` (in a materialised CTE)
+    so concurrent replicas
     take disjoint batches instead of queueing on each other's rows; SQLite serialises
     writers anyway. MySQL cannot update a table it selects from in a subquery, but takes
     ``ORDER BY ... LIMIT`` on a single-table UPDATE, which skips rows another replica has
     just claimed because InnoDB re-reads the latest committed row under its lock. The
     ``due`` condition is repeated on the outer statement so that a row leased between
-    the subquery's snapshot and the update is never taken twice.
+    the subquery's snapshot and the update is never taken twice. *values* keep their
+    order in the SET clause, because MySQL evaluates assignments left to right.
     """
     if is_mysql(engine):
-        return _OrderedLimitedUpdate(
-            table.update().where(due).values(**values), table.c.next_run_at, limit
-        )
+        return _OrderedLimitedUpdate(table, table.c.next_run_at, limit).where(due).ordered_values(*values)
     batch: Select[Any] = (
         table.select()
         .with_only_columns(table.c.name)
@@ -58,8 +57,11 @@ def claim_statement(
         .limit(limit)
     )
     if engine.dialect.name == "postgresql":
-        batch = batch.with_for_update(skip_locked=True)
-    return table.update().where(table.c.name.in_(batch)).where(due).values(**values)
+        # A materialised CTE runs the locking subquery exactly once; as an IN-subquery the
+        # planner may re-run it per row and update more than *limit* rows.
+        locked = batch.with_for_update(skip_locked=True).cte("leasebeat_batch").prefix_with("MATERIALIZED")
+        return table.update().where(table.c.name == locked.c.name).where(due).ordered_values(*values)
+    return table.update().where(table.c.name.in_(batch)).where(due).ordered_values(*values)
 
 
 def insert_ignoring_duplicates(engine: Engine, table: Table) -> Any:
@@ -89,20 +91,19 @@ def upsert(engine: Engine, table: Table, rows: list[dict[str, Any]], update: lis
     return my.on_duplicate_key_update({name: my.inserted[name] for name in update})
 
 
-class _OrderedLimitedUpdate(Executable, ClauseElement):
+class _OrderedLimitedUpdate(Update):
     """``UPDATE ... ORDER BY ... LIMIT n`` for MySQL/MariaDB, which SQLAlchemy lacks."""
 
     inherit_cache = False
-    is_dml = True
 
-    def __init__(self, update: Update, order_by: ColumnElement[Any], limit: int) -> None:
-        self.update = update
-        self.order_by = order_by
-        self.limit = int(limit)
+    def __init__(self, table: Table, order_by: ColumnElement[Any], limit: int) -> None:
+        super().__init__(table)
+        self.leasebeat_order_by = order_by
+        self.leasebeat_limit = int(limit)
 
 
 @compiles(_OrderedLimitedUpdate)
 def _compile_ordered_limited_update(element: _OrderedLimitedUpdate, compiler: Any, **kw: Any) -> str:
-    statement = compiler.process(element.update, **kw)
-    order = compiler.process(element.order_by, **kw)
-    return f"{statement} ORDER BY {order} LIMIT {element.limit}"
+    statement = compiler.visit_update(element, **kw)
+    order = compiler.process(element.leasebeat_order_by, **kw)
+    return f"{statement} ORDER BY {order} LIMIT {element.leasebeat_limit}"

@@ -1,0 +1,341 @@
+"""The store's contract, on real SQLite, PostgreSQL and MariaDB."""
+
+from __future__ import annotations
+
+import multiprocessing
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import inspect, select, text
+
+from celery_leasebeat.errors import InvalidCron, UnknownSchedule
+from celery_leasebeat.store import RunState, ScheduleDefinition, Store, run_id_for
+
+UTC = timezone.utc
+
+
+def every_minute(name: str, **extra: object) -> ScheduleDefinition:
+    return ScheduleDefinition(name=name, task="tasks.work", kind="cron", cron="* * * * *", **extra)  # type: ignore[arg-type]
+
+
+def make_due(store: Store, *names: str, at: datetime) -> None:
+    s = store.tables.schedules
+    with store.engine.begin() as connection:
+        connection.execute(s.update().where(s.c.name.in_(names)).values(next_run_at=at))
+
+
+def claim_all(store: Store, now: datetime, lease: float = 60.0, owner: str = "test") -> list:
+    return store.claim(now, limit=1000, lease_seconds=lease, owner=owner)
+
+
+def test_nothing_is_created_until_first_use(store: Store) -> None:
+    assert not inspect(store.engine).has_table(store.tables.schedules.name)
+    store.now()
+    assert inspect(store.engine).has_table(store.tables.schedules.name)
+    assert inspect(store.engine).has_table(store.tables.runs.name)
+
+
+def test_now_is_the_database_clock(store: Store) -> None:
+    native = {
+        "postgresql": "SELECT now() AT TIME ZONE 'UTC'",
+        "mysql": "SELECT UTC_TIMESTAMP(6)",
+        "mariadb": "SELECT UTC_TIMESTAMP(6)",
+        "sqlite": "SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')",
+    }[store.engine.dialect.name]
+    ours = store.now()
+    with store.engine.connect() as connection:
+        theirs = connection.execute(text(native)).scalar_one()
+    if isinstance(theirs, str):
+        theirs = datetime.fromisoformat(theirs)
+    assert ours.tzinfo is not None
+    assert abs((ours - theirs.replace(tzinfo=UTC)).total_seconds()) < 2
+
+
+def test_sync_inserts_then_leaves_unchanged_rows_alone(store: Store) -> None:
+    report = store.sync([every_minute("a"), every_minute("b")])
+    assert sorted(report.inserted) == ["a", "b"]
+    first = store.get_schedule("a")
+    assert first["next_run_at"] > store.now() - timedelta(seconds=1)
+
+    again = store.sync([every_minute("a"), every_minute("b")])
+    assert (again.inserted, again.retimed, again.updated) == ([], [], [])
+    assert store.get_schedule("a")["version"] == first["version"]
+
+
+def test_sync_retimes_a_changed_expression_and_keeps_time_for_other_changes(store: Store) -> None:
+    store.sync([every_minute("a"), every_minute("b")])
+    far = datetime(2030, 1, 1, tzinfo=UTC)
+    make_due(store, "a", "b", at=far)
+
+    report = store.sync(
+        [
+            ScheduleDefinition(name="a", task="tasks.work", kind="cron", cron="0 3 * * *"),
+            every_minute("b", args=[1, 2]),
+        ]
+    )
+    assert report.retimed == ["a"] and report.updated == ["b"]
+    a, b = store.get_schedule("a"), store.get_schedule("b")
+    assert a["next_run_at"] != far and (a["next_run_at"].hour, a["next_run_at"].minute) == (3, 0)
+    assert b["next_run_at"] == far and b["args"] == [1, 2]
+
+
+def test_sync_removes_code_rows_no_longer_registered(store: Store) -> None:
+    store.sync([every_minute("a"), every_minute("b")])
+    report = store.sync([every_minute("a")], remove_missing=True)
+    assert report.removed == ["b"]
+    with pytest.raises(UnknownSchedule):
+        store.get_schedule("b")
+
+
+def test_override_wins_until_cleared(store: Store) -> None:
+    store.sync([every_minute("a")])
+    next_run = store.set_override("a", "0 5 * * *")
+    assert (next_run.hour, next_run.minute) == (5, 0)
+    assert store.get_schedule("a")["override_cron"] == "0 5 * * *"
+
+    # A changed code default does not move a schedule whose override is set.
+    store.sync([ScheduleDefinition(name="a", task="tasks.work", kind="cron", cron="0 7 * * *")])
+    assert store.get_schedule("a")["next_run_at"] == next_run
+
+    # Blank clears it: the code's default applies again, from now.
+    cleared = store.set_override("a", "  ")
+    assert store.get_schedule("a")["override_cron"] is None
+    assert (cleared.hour, cleared.minute) == (7, 0)
+
+
+def test_override_is_validated_and_needs_a_known_schedule(store: Store) -> None:
+    store.sync([every_minute("a")])
+    with pytest.raises(InvalidCron, match="'a'.*'not cron'"):
+        store.set_override("a", "not cron")
+    with pytest.raises(UnknownSchedule):
+        store.set_override("nope", "* * * * *")
+
+
+def test_claim_takes_due_rows_once_and_writes_the_ledger(store: Store) -> None:
+    store.sync([every_minute("a"), every_minute("b"), every_minute("later")])
+    now = store.now()
+    due_at = (now - timedelta(seconds=5)).replace(microsecond=123456)
+    make_due(store, "a", "b", at=due_at)
+
+    claims = claim_all(store, now, owner="replica-1")
+    assert sorted(c.schedule for c in claims) == ["a", "b"]
+    assert all(c.occurrence == due_at and c.attempt == 1 for c in claims)
+    assert claims[0].run_id == run_id_for(claims[0].schedule, due_at)
+    assert claim_all(store, now) == []  # leased now
+
+    runs = {r["schedule"]: r for r in store.list_runs()}
+    assert set(runs) == {"a", "b"}
+    assert runs["a"]["state"] == RunState.CLAIMED and runs["a"]["replica"] == "replica-1"
+    assert runs["a"]["occurrence"] == due_at
+
+
+def test_claim_respects_the_batch_limit_earliest_first(store: Store) -> None:
+    names = [f"s{i}" for i in range(5)]
+    store.sync([every_minute(n) for n in names])
+    now = store.now()
+    for offset, name in enumerate(names):
+        make_due(store, name, at=now - timedelta(minutes=10 - offset))
+    first = store.claim(now, limit=2, lease_seconds=60, owner="x")
+    assert [c.schedule for c in first] == ["s0", "s1"]
+    second = store.claim(now, limit=10, lease_seconds=60, owner="x")
+    assert [c.schedule for c in second] == ["s2", "s3", "s4"]
+
+
+def test_disabled_rows_are_not_claimed(store: Store) -> None:
+    store.sync([every_minute("a")])
+    now = store.now()
+    make_due(store, "a", at=now - timedelta(seconds=1))
+    store.set_enabled("a", False)
+    assert claim_all(store, now) == []
+    store.set_enabled("a", True)
+    assert [c.schedule for c in claim_all(store, now)] == ["a"]
+
+
+def test_fenced_outcome_with_a_stale_token_changes_nothing(store: Store) -> None:
+    store.sync([every_minute("a")])
+    now = store.now()
+    make_due(store, "a", at=now - timedelta(seconds=1))
+    (claim,) = claim_all(store, now)
+    before = store.get_schedule("a")
+
+    applied = store.finish_run(
+        schedule="a", run_id=claim.run_id, token="stale-token", occurrence=claim.occurrence,
+        outcome=RunState.SUCCEEDED, duration_ms=5,
+    )
+    assert applied is False
+    assert store.get_schedule("a") == before
+    assert store.list_runs()[0]["state"] == RunState.CLAIMED
+
+    assert store.finish_run(
+        schedule="a", run_id=claim.run_id, token=claim.lease_token, occurrence=claim.occurrence,
+        outcome=RunState.SUCCEEDED, duration_ms=5,
+    )
+    after = store.get_schedule("a")
+    assert after["lease_token"] is None and after["lease_until"] is None
+    assert after["last_outcome"] == RunState.SUCCEEDED and after["last_duration_ms"] == 5
+    assert after["last_run_at"] == claim.occurrence
+    assert after["next_run_at"] > claim.occurrence
+    run = store.list_runs()[0]
+    assert run["state"] == RunState.SUCCEEDED and run["duration_ms"] == 5
+
+
+def test_expired_lease_is_reclaimed_under_the_same_run_id_and_fences_the_old_claim(store: Store) -> None:
+    store.sync([every_minute("a")])
+    now = store.now()
+    make_due(store, "a", at=now - timedelta(seconds=1))
+    (first,) = store.claim(now, limit=10, lease_seconds=1, owner="r1")
+    assert store.claim(now + timedelta(milliseconds=500), limit=10, lease_seconds=1, owner="r2") == []
+
+    (second,) = store.claim(now + timedelta(seconds=2), limit=10, lease_seconds=1, owner="r2")
+    assert second.run_id == first.run_id and second.occurrence == first.occurrence
+    assert second.lease_token != first.lease_token and second.attempt == 2
+    (run,) = store.list_runs()
+    assert run["attempts"] == 2 and run["replica"] == "r2" and run["lease_token"] == second.lease_token
+
+    # The first delivery may no longer start nor record.
+    stale = store.start_run(schedule="a", run_id=first.run_id, token=first.lease_token, worker="w", lease_seconds=5)
+    assert not stale.run
+    assert not store.finish_run(
+        schedule="a", run_id=first.run_id, token=first.lease_token, occurrence=first.occurrence,
+        outcome=RunState.FAILED, duration_ms=1,
+    )
+    assert store.get_schedule("a")["lease_token"] == second.lease_token
+
+
+def test_start_runs_a_delivery_once(store: Store) -> None:
+    store.sync([every_minute("a")])
+    now = store.now()
+    make_due(store, "a", at=now - timedelta(seconds=1))
+    (claim,) = claim_all(store, now, lease=5)
+    kwargs = dict(schedule="a", run_id=claim.run_id, token=claim.lease_token, worker="w1", lease_seconds=600)
+
+    assert store.start_run(**kwargs).run
+    lease_until = store.get_schedule("a")["lease_until"]
+    assert lease_until > now + timedelta(seconds=500)  # start extends the lease
+    redelivered = store.start_run(**kwargs)
+    assert not redelivered.run and redelivered.state == RunState.STARTED
+
+    store.finish_run(
+        schedule="a", run_id=claim.run_id, token=claim.lease_token, occurrence=claim.occurrence,
+        outcome=RunState.SUCCEEDED, duration_ms=1,
+    )
+    after_completion = store.start_run(**kwargs)
+    assert not after_completion.run and after_completion.state == RunState.SUCCEEDED
+
+
+def test_extend_leases_reports_lost_leases(store: Store) -> None:
+    store.sync([every_minute("a"), every_minute("b")])
+    now = store.now()
+    make_due(store, "a", "b", at=now - timedelta(seconds=1))
+    claims = {c.schedule: c for c in claim_all(store, now, lease=5)}
+    lost = store.extend_leases([("a", claims["a"].lease_token), ("b", "not-the-token")], 120)
+    assert lost == {"b"}
+    assert store.get_schedule("a")["lease_until"] > store.now() + timedelta(seconds=100)
+
+
+def test_release_makes_an_unpublished_occurrence_due_again(store: Store) -> None:
+    store.sync([every_minute("a")])
+    now = store.now()
+    make_due(store, "a", at=now - timedelta(seconds=1))
+    claims = claim_all(store, now)
+    assert store.release(claims, "publish failed: broker down") == 1
+    assert store.list_runs()[0]["state"] == RunState.PUBLISH_FAILED
+    (again,) = claim_all(store, now)
+    assert again.run_id == claims[0].run_id and again.attempt == 1
+
+
+def test_a_missed_schedule_runs_once_then_advances_recording_the_drop(store: Store) -> None:
+    store.sync([every_minute("a")])
+    now = store.now()
+    long_ago = (now - timedelta(hours=1)).replace(second=0, microsecond=0)
+    make_due(store, "a", at=long_ago)
+    (claim,) = claim_all(store, now)
+    assert claim.occurrence == long_ago
+    store.finish_run(
+        schedule="a", run_id=claim.run_id, token=claim.lease_token, occurrence=claim.occurrence,
+        outcome=RunState.SUCCEEDED, duration_ms=1,
+    )
+    row = store.get_schedule("a")
+    after = store.now()
+    assert now < row["next_run_at"] <= after + timedelta(minutes=1)
+    (run,) = store.list_runs()
+    assert 59 <= run["missed_count"] <= 61
+    assert claim_all(store, after) == []  # no catch-up storm
+
+
+def test_probe_reports_the_clock_next_due_and_next_expiry(store: Store) -> None:
+    store.sync([every_minute("a"), every_minute("b")])
+    now = store.now()
+    make_due(store, "a", at=now - timedelta(seconds=1))
+    make_due(store, "b", at=now + timedelta(minutes=5))
+    probe = store.probe()
+    assert probe.next_due == now - timedelta(seconds=1)
+    assert probe.next_expiry is None
+    claim_all(store, probe.now, lease=30)
+    probe = store.probe()
+    assert probe.next_due == now + timedelta(minutes=5)
+    assert probe.next_expiry is not None and probe.next_expiry > probe.now
+
+
+def test_give_up_records_lost_and_advances(store: Store) -> None:
+    store.sync([every_minute("a")])
+    now = store.now()
+    make_due(store, "a", at=now - timedelta(seconds=1))
+    (claim,) = claim_all(store, now)
+    assert store.give_up(claim, now, "no outcome")
+    row = store.get_schedule("a")
+    assert row["last_outcome"] == RunState.LOST and row["lease_token"] is None
+    assert row["next_run_at"] > now
+    assert store.list_runs()[0]["state"] == RunState.LOST
+
+
+# -- claim exclusivity under real concurrency -------------------------------------------------
+
+SCHEDULES = 120
+
+
+def _claim_worker(url: str, prefix: str, start: multiprocessing.synchronize.Event, out: multiprocessing.Queue) -> None:  # type: ignore[name-defined]
+    store = Store(url, table_prefix=prefix)
+    start.wait()
+    claimed: list[tuple[str, str]] = []
+    idle = 0
+    while idle < 5:
+        now = store.probe().now
+        batch = store.claim(now, limit=7, lease_seconds=600, owner=str(multiprocessing.current_process().pid))
+        if batch:
+            idle = 0
+            claimed.extend((c.schedule, c.occurrence.isoformat()) for c in batch)
+        else:
+            idle += 1
+    store.dispose()
+    out.put(claimed)
+
+
+def test_concurrent_claimers_claim_each_occurrence_exactly_once(store: Store) -> None:
+    names = [f"job{i:03d}" for i in range(SCHEDULES)]
+    store.sync([every_minute(n) for n in names])
+    now = store.now()
+    make_due(store, *names, at=now - timedelta(seconds=1))
+    store.dispose()
+
+    context = multiprocessing.get_context("spawn")
+    start, out = context.Event(), context.Queue()
+    url = store.url.render_as_string(hide_password=False)
+    processes = [
+        context.Process(target=_claim_worker, args=(url, store.tables.schedules.name[: -len("schedules")], start, out))
+        for _ in range(6)
+    ]
+    for process in processes:
+        process.start()
+    start.set()
+    results = [out.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(timeout=30)
+
+    everything = [pair for result in results for pair in result]
+    assert len(everything) == len(set(everything)), "an occurrence was claimed twice"
+    assert sorted(name for name, _ in everything) == names
+    assert sum(1 for result in results if result) >= 2, "the claimers did not actually compete"
+    with store.engine.connect() as connection:
+        ledger = connection.execute(select(store.tables.runs.c.schedule)).scalars().all()
+    assert sorted(ledger) == names
