@@ -92,7 +92,7 @@ def test_configured_override_applies_and_a_missing_cron_is_an_error(app: Celery)
     with pytest.raises(InvalidSchedule, match="'needs-override' has no cron expression"):
         collect_definitions(app, LeaseBeatConfig())
     found = collect_definitions(app, LeaseBeatConfig(overrides={"needs-override": "0 6 * * *"}))
-    assert found[0].cron == "0 6 * * *"
+    assert {d.name: d.cron for d in found}["needs-override"] == "0 6 * * *"
 
 
 def test_non_json_arguments_are_refused_naming_the_schedule(app: Celery) -> None:
