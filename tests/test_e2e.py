@@ -1,0 +1,233 @@
+"""End to end with real ``celery beat`` and ``celery worker`` processes, real brokers and
+real databases: exactly once across replicas, and recovery from killed processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from celery_leasebeat.store import RunState, Store
+
+from .conftest import MYSQL_URL, POSTGRES_URL, RABBITMQ_URL, REDIS_URL, drop_tables, require_server, sqlite_url
+
+pytestmark = pytest.mark.e2e
+
+E2E_DIR = Path(__file__).parent / "e2e"
+
+
+class Cluster:
+    """Real beat replicas and workers of ``tests/e2e/e2eapp.py``, sharing one environment."""
+
+    def __init__(self, tmp_path: Path, broker: str, database: str, **env: str) -> None:
+        self.tmp_path = tmp_path
+        self.record = tmp_path / "record.jsonl"
+        self.record.touch()
+        self.prefix = f"e{uuid.uuid4().hex[:10]}_"
+        self.store = Store(database, table_prefix=self.prefix)
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(E2E_DIR), os.environ.get("PYTHONPATH", "")]),
+            "E2E_BROKER": broker,
+            "E2E_DATABASE": database,
+            "E2E_PREFIX": self.prefix,
+            "E2E_RECORD": str(self.record),
+            "E2E_QUEUE": f"q-{self.prefix}",
+            **env,
+        }
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp_path / f"{name}.log", "wb")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "e2eapp", *args],
+            cwd=self.tmp_path, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        self.processes[name] = process
+        return process
+
+    def beat(self, name: str) -> subprocess.Popen[bytes]:
+        return self._start(name, "beat", "-S", "leasebeat", "-l", "info", "-s", str(self.tmp_path / f"{name}-schedule"))
+
+    def worker(self, name: str, concurrency: int = 2) -> subprocess.Popen[bytes]:
+        return self._start(
+            name, "worker", "-l", "info", "-c", str(concurrency), "-n", f"{name}-{self.prefix}@%h",
+            "-Q", self.env["E2E_QUEUE"], "--without-gossip", "--without-mingle", "--without-heartbeat",
+        )
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+        process = self.processes[name]
+        if process.poll() is None:
+            process.send_signal(sig)
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def stop_all(self) -> None:
+        for name in list(self.processes):
+            self.stop(name)
+
+    def events(self) -> list[dict]:
+        return [json.loads(line) for line in self.record.read_text().splitlines() if line.strip()]
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"----- {path.name}\n{path.read_text(errors='replace')[-6000:]}" for path in sorted(self.tmp_path.glob("*.log"))
+        )
+
+    def wait_for(self, predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator:
+    clusters: list[Cluster] = []
+
+    def make(broker: str, database: str, **env: str) -> Cluster:
+        cluster = Cluster(tmp_path, broker, database, **env)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop_all()
+        drop_tables(cluster.store)
+
+
+def _services(broker: str, database: str) -> tuple[str, str]:
+    urls = {"redis": REDIS_URL, "rabbitmq": RABBITMQ_URL, "postgresql": POSTGRES_URL, "mysql": MYSQL_URL}
+    require_server(urls[broker], broker)
+    require_server(urls[database], database)
+    return urls[broker], urls[database]
+
+
+def _assert_every_occurrence_once(cluster: Cluster, schedules: list[str], minimum: int) -> dict[str, int]:
+    """Every nominal second from the first to the last run is either run exactly once or
+    recorded as dropped; the ledger and the task bodies agree run for run."""
+    runs = cluster.store.list_runs()
+    bodies = Counter((e["schedule"], e["occurrence"]) for e in cluster.events() if e["event"] == "run")
+    duplicated = {key: n for key, n in bodies.items() if n > 1}
+    assert not duplicated, f"task bodies ran more than once: {duplicated}\n{cluster.logs()}"
+    missed = {}
+    for schedule in schedules:
+        rows = [r for r in runs if r["schedule"] == schedule]
+        assert len(rows) >= minimum, f"{schedule}: only {len(rows)} runs\n{cluster.logs()}"
+        states = Counter(r["state"] for r in rows)
+        assert states == {RunState.SUCCEEDED: len(rows)}, f"{schedule}: {states}\n{cluster.logs()}"
+        ran = {(schedule, r["occurrence"].isoformat()) for r in rows}
+        assert ran == {key for key in bodies if key[0] == schedule}, "ledger and task bodies disagree"
+        for earlier, later in zip(rows, rows[1:]):
+            gap = (later["occurrence"] - earlier["occurrence"]).total_seconds()
+            assert gap == 1 + earlier["missed_count"], (
+                f"{schedule}: {earlier['occurrence']} -> {later['occurrence']} with "
+                f"{earlier['missed_count']} recorded as dropped: an occurrence vanished\n{cluster.logs()}"
+            )
+        missed[schedule] = sum(r["missed_count"] for r in rows)
+    return missed
+
+
+@pytest.mark.parametrize(("broker", "database"), [("redis", "postgresql"), ("rabbitmq", "mysql")])
+def test_three_replicas_dispatch_every_occurrence_exactly_once_and_survive_a_sigkill(
+    make_cluster, broker: str, database: str
+) -> None:
+    broker_url, database_url = _services(broker, database)
+    cluster = make_cluster(broker_url, database_url, E2E_EVERY_SECOND="alpha,beta")
+    cluster.worker("worker", concurrency=4)
+    for name in ("beat1", "beat2", "beat3"):
+        cluster.beat(name)
+    cluster.wait_for(lambda: len(cluster.events()) >= 4, 60, "the first runs")
+    time.sleep(10)
+    replicas_before = {r["replica"] for r in cluster.store.list_runs()}
+    cluster.stop("beat1", signal.SIGKILL)
+    killed_at = time.monotonic()
+    time.sleep(12)
+    for name in ("beat2", "beat3"):
+        cluster.stop(name)
+    time.sleep(3)  # let the worker finish what was dispatched last
+    cluster.stop("worker")
+    assert time.monotonic() - killed_at > 10
+
+    missed = _assert_every_occurrence_once(cluster, ["alpha", "beta"], minimum=20)
+    # Dropping is only allowed while a killed replica's claim waits out its lease (4 s).
+    assert all(count <= 5 for count in missed.values()), missed
+    assert len(replicas_before) >= 2, f"one replica did all the work: {replicas_before}"
+
+
+def test_a_worker_killed_mid_task_is_redispatched_after_lease_expiry_and_recorded_once(make_cluster) -> None:
+    broker_url, database_url = _services("redis", "postgresql")
+    cluster = make_cluster(broker_url, database_url, E2E_SLOW="*/20 * * * * *", E2E_SLOW_SECONDS="4", E2E_LEASE="3")
+    cluster.worker("worker1", concurrency=1)
+    cluster.beat("beat1")
+    cluster.wait_for(lambda: any(e["event"] == "start" for e in cluster.events()), 60, "the slow task to start")
+    first = next(e for e in cluster.events() if e["event"] == "start")
+    cluster.stop("worker1", signal.SIGKILL)
+    cluster.worker("worker2", concurrency=1)
+
+    def finished() -> bool:
+        return any(e["event"] == "end" and e["occurrence"] == first["occurrence"] for e in cluster.events())
+
+    cluster.wait_for(finished, 40, "the re-dispatched occurrence to finish")
+    time.sleep(0.5)
+    events = [e for e in cluster.events() if e["occurrence"] == first["occurrence"]]
+    starts = [e for e in events if e["event"] == "start"]
+    assert len(starts) == 2 and starts[0]["pid"] != starts[1]["pid"]
+    assert len([e for e in events if e["event"] == "end"]) == 1
+    assert {e["task_id"] for e in events} == {first["task_id"]}  # same task id on redelivery
+    (run,) = [r for r in cluster.store.list_runs() if r["occurrence"].isoformat() == first["occurrence"]]
+    assert run["state"] == RunState.SUCCEEDED and run["attempts"] == 2 and run["id"] == first["task_id"]
+    assert "no outcome arrived" in (cluster.tmp_path / "beat1.log").read_text()
+
+
+def test_an_existing_beat_schedule_runs_unchanged(make_cluster, tmp_path: Path) -> None:
+    broker_url, _ = _services("redis", "postgresql")
+    cluster = make_cluster(broker_url, sqlite_url(tmp_path), E2E_BEAT_SCHEDULE="1")
+    cluster.worker("worker")
+    cluster.beat("beat1")
+    cluster.wait_for(lambda: sum(e["schedule"] == "legacy-interval" for e in cluster.events()) >= 5, 60, "five runs")
+    cluster.stop("beat1")
+    time.sleep(1)
+    cluster.stop("worker")
+    runs = cluster.store.list_runs()
+    interval = [r["occurrence"] for r in runs if r["schedule"] == "legacy-interval"]
+    # The nominal cadence: exactly one second apart, whenever each was dispatched.
+    assert {b - a for a, b in zip(interval, interval[1:])} == {timedelta(seconds=1)}
+    assert any(r["schedule"] == "legacy-number" for r in runs)
+    assert all(r["state"] == RunState.SUCCEEDED for r in runs if r["finished_at"])
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"E2E_LEASE": "soon"}, "leasebeat_lease_seconds must be a positive number of seconds, got 'soon'"),
+        ({"E2E_POLLING": "-1"}, "leasebeat_polling_interval"),
+        ({"E2E_EVERY_SECOND": "alpha", "E2E_OVERRIDES": '{"alpha": "0 25 * * *"}'}, "schedule 'alpha': invalid cron expression '0 25 * * *'"),
+        ({"E2E_UNKNOWN_TASK": "1"}, "schedule 'typo': unknown task 'e2eapp.recrod'"),
+    ],
+)
+def test_bad_input_stops_beat_with_a_message_naming_it(make_cluster, tmp_path: Path, env: dict, expected: str) -> None:
+    cluster = make_cluster("memory://", sqlite_url(tmp_path), **env)
+    beat = cluster.beat("beat")
+    try:
+        code = beat.wait(60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"beat kept running\n{cluster.logs()}") from None
+    output = (tmp_path / "beat.log").read_text()
+    assert code != 0 and expected in output, output[-3000:]
+    assert not (tmp_path / "leasebeat.sqlite").exists()
