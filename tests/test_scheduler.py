@@ -1,0 +1,191 @@
+"""LeaseScheduler in process, against a real database and a real Redis: start-up that
+touches nothing, the smart wait, and outages of the database and of the broker."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+from celery import Celery
+from kombu import Connection
+
+from celery_leasebeat import LeaseScheduler, register_schedule
+from celery_leasebeat.store import RunState, Store
+
+from .conftest import POSTGRES_URL, REDIS_URL, drop_tables, require_server, sqlite_url
+from .tcp_proxy import TcpProxy
+
+
+def make_app(database_url: str, broker_url: str = "memory://", **settings: object) -> Celery:
+    app = Celery(f"sched-{uuid.uuid4().hex[:6]}", broker=broker_url, set_as_current=False)
+    app.conf.update(
+        leasebeat_database_url=database_url,
+        leasebeat_table_prefix=f"s{uuid.uuid4().hex[:10]}_",
+        task_default_queue=f"q-{uuid.uuid4().hex[:10]}",
+        broker_connection_retry_on_startup=False,
+        result_expires=None,  # no celery.backend_cleanup entry: count only our schedules
+        **settings,
+    )
+
+    @app.task(name="proj.work")
+    def work() -> None: ...
+
+    return app
+
+
+def store_of(app: Celery) -> Store:
+    return app._leasebeat_store  # type: ignore[attr-defined, no-any-return]
+
+
+def drain(app: Celery) -> list[str]:
+    """The task ids waiting on the app's queue, consumed."""
+    ids = []
+    with Connection(app.conf.broker_url) as connection:
+        queue = connection.SimpleQueue(app.conf.task_default_queue)
+        while True:
+            try:
+                message = queue.get(timeout=0.5)
+            except queue.Empty:
+                break
+            ids.append(message.headers["id"])
+            message.ack()
+        queue.close()
+    return ids
+
+
+def declare_queue(app: Celery) -> None:
+    with Connection(app.conf.broker_url) as connection:
+        connection.SimpleQueue(app.conf.task_default_queue).close()
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[tuple[Celery, str]]]:
+    """(app, database URL without any proxy): their tables are dropped afterwards."""
+    apps: list[tuple[Celery, str]] = []
+    yield apps
+    for app, url in apps:
+        store = getattr(app, "_leasebeat_store", None)
+        if store is not None:
+            store.dispose()
+        drop_tables(Store(url, table_prefix=app.conf.leasebeat_table_prefix))
+
+
+def test_construction_and_the_banner_touch_no_database(tmp_path: Path) -> None:
+    # Port 9 (discard) on loopback: any connection attempt would fail loudly.
+    app = make_app("postgresql+psycopg://nobody@127.0.0.1:9/none")
+    register_schedule("proj.work", "* * * * *", app=app)
+    lazy = LeaseScheduler(app, lazy=True)
+    assert "postgresql+psycopg://nobody@127.0.0.1:9/none" in lazy.info
+    eager = LeaseScheduler(app)
+    assert store_of(app)._engine is None
+    assert eager.max_interval == 30.0
+
+
+def test_a_nightly_table_sleeps_the_polling_interval(tmp_path: Path, cleanup: list[tuple[Celery, str]]) -> None:
+    app = make_app(sqlite_url(tmp_path), leasebeat_polling_interval=20)
+    cleanup.append((app, sqlite_url(tmp_path)))
+    register_schedule("proj.work", "15 3 * * *", name="nightly", app=app)
+    scheduler = LeaseScheduler(app)
+    assert scheduler.tick() == 20.0
+
+
+def test_the_wait_ends_at_the_next_due_occurrence(tmp_path: Path, cleanup: list[tuple[Celery, str]]) -> None:
+    app = make_app(sqlite_url(tmp_path), leasebeat_polling_interval=20)
+    cleanup.append((app, sqlite_url(tmp_path)))
+    register_schedule("proj.work", "* * * * * *", name="every-second", app=app)
+    scheduler = LeaseScheduler(app)
+    waits = []
+    for _ in range(6):  # as beat does: tick, sleep what it says
+        waits.append(scheduler.tick())
+        time.sleep(waits[-1])
+    assert all(w <= 1.0 for w in waits), waits
+    # It dispatched (its broker is in memory); the leased schedule's next occurrence is the wait.
+    runs = store_of(app).list_runs("every-second")
+    assert runs and runs[0]["state"] == RunState.DISPATCHED
+
+
+def test_database_outage_backs_off_and_never_double_dispatches(cleanup: list[tuple[Celery, str]], caplog: pytest.LogCaptureFixture) -> None:
+    require_server(POSTGRES_URL, "PostgreSQL")
+    require_server(REDIS_URL, "Redis")
+    target = urlparse(POSTGRES_URL.replace("+psycopg", ""))
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 5432)
+    try:
+        url = POSTGRES_URL.replace(f"{target.hostname}:{target.port}", f"127.0.0.1:{proxy.port}")
+        app = make_app(url, REDIS_URL, leasebeat_polling_interval=5)
+        cleanup.append((app, POSTGRES_URL))
+        for i in range(3):
+            register_schedule("proj.work", "* * * * *", name=f"job{i}", app=app)
+        declare_queue(app)
+        scheduler = LeaseScheduler(app)
+        store = store_of(app)
+
+        proxy.cut()
+        with caplog.at_level(logging.ERROR, logger="celery_leasebeat"):
+            assert scheduler.tick() == 1.0
+            assert scheduler.tick() == 2.0  # backing off, not crashing
+        assert "unavailable" in caplog.text and "retrying in" in caplog.text
+
+        proxy.restore()
+        scheduler.tick()  # syncs the registrations
+        s = store.tables.schedules
+        due = store.now() - timedelta(seconds=1)
+        with store.engine.begin() as connection:
+            connection.execute(s.update().values(next_run_at=due))
+        for _ in range(3):
+            scheduler.tick()
+        dispatched = drain(app)
+        assert len(dispatched) == 3
+
+        proxy.cut()
+        scheduler.tick()
+        proxy.restore()
+        for _ in range(3):
+            scheduler.tick()
+        assert drain(app) == []  # the connection came back: nothing sent twice
+        assert {r["id"] for r in store.list_runs()} == set(dispatched)
+    finally:
+        proxy.close()
+
+
+def test_broker_outage_releases_claims_and_retries_them(cleanup: list[tuple[Celery, str]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    require_server(REDIS_URL, "Redis")
+    target = urlparse(REDIS_URL)
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 6379)
+    try:
+        broker = REDIS_URL.replace(f"{target.hostname}:{target.port}", f"127.0.0.1:{proxy.port}")
+        app = make_app(sqlite_url(tmp_path), broker, leasebeat_polling_interval=5)
+        cleanup.append((app, sqlite_url(tmp_path)))
+        for i in range(3):
+            register_schedule("proj.work", "* * * * *", name=f"job{i}", app=app)
+        declare_queue(app)
+        scheduler = LeaseScheduler(app)
+        scheduler.tick()
+        store = store_of(app)
+        s = store.tables.schedules
+        due = store.now() - timedelta(seconds=1)
+        with store.engine.begin() as connection:
+            connection.execute(s.update().values(next_run_at=due))
+
+        proxy.cut()
+        with caplog.at_level(logging.ERROR, logger="celery_leasebeat"):
+            delay = scheduler.tick()
+        assert delay >= 1.0 and "broker unavailable" in caplog.text
+        runs = store.list_runs()
+        assert len(runs) == 3 and {r["state"] for r in runs} == {RunState.PUBLISH_FAILED}
+        assert all(row["lease_token"] is None for row in store.list_schedules())
+
+        proxy.restore()
+        for _ in range(3):
+            scheduler.tick()
+        dispatched = drain(app)
+        assert sorted(dispatched) == sorted(r["id"] for r in runs)  # the same occurrences, not lost
+        assert {r["state"] for r in store.list_runs()} == {RunState.DISPATCHED}
+        scheduler.close()
+    finally:
+        proxy.close()
