@@ -535,6 +535,8 @@ class Store:
             if started:
                 return StartDecision(run=True)
             state = connection.execute(select(r.c.state).where(r.c.id == run_id)).scalar_one_or_none()
+        if not held and state in RunState.OUTCOMES:
+            return StartDecision(run=False, reason=f"the occurrence already finished (state {state})", state=state)
         if not held:
             return StartDecision(run=False, reason="its lease token no longer holds the lease", state=state)
         return StartDecision(run=False, reason=f"this delivery already ran (state {state})", state=state)
