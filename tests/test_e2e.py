@@ -56,8 +56,8 @@ class Cluster:
         self.processes[name] = process
         return process
 
-    def beat(self, name: str) -> subprocess.Popen[bytes]:
-        return self._start(name, "beat", "-S", "leasebeat", "-l", "info", "-s", str(self.tmp_path / f"{name}-schedule"))
+    def beat(self, name: str, scheduler: str = "leasebeat") -> subprocess.Popen[bytes]:
+        return self._start(name, "beat", "-S", scheduler, "-l", "info", "-s", str(self.tmp_path / f"{name}-schedule"))
 
     def worker(self, name: str, concurrency: int = 2) -> subprocess.Popen[bytes]:
         return self._start(
@@ -199,7 +199,7 @@ def test_an_existing_beat_schedule_runs_unchanged(make_cluster, tmp_path: Path) 
     broker_url, _ = _services("redis", "postgresql")
     cluster = make_cluster(broker_url, sqlite_url(tmp_path), E2E_BEAT_SCHEDULE="1")
     cluster.worker("worker")
-    cluster.beat("beat1")
+    cluster.beat("beat1", scheduler="celery_leasebeat.LeaseScheduler")  # the full path works too
     cluster.wait_for(lambda: sum(e["schedule"] == "legacy-interval" for e in cluster.events()) >= 5, 60, "five runs")
     cluster.stop("beat1")
     time.sleep(1)
