@@ -82,9 +82,7 @@ class LeaseBeatConfig:
             )
         prefix = get("table_prefix", DEFAULT_TABLE_PREFIX)
         if not isinstance(prefix, str) or (prefix and not _IDENTIFIER.match(prefix)):
-            raise ConfigurationError(
-                f"leasebeat_table_prefix must be letters, digits and underscores, got {prefix!r}"
-            )
+            raise ConfigurationError(f"leasebeat_table_prefix must be letters, digits and underscores, got {prefix!r}")
         schema = get("schema", None)
         if schema is not None and not (isinstance(schema, str) and _IDENTIFIER.match(schema)):
             raise ConfigurationError(f"leasebeat_schema must be an identifier, got {schema!r}")
@@ -92,26 +90,16 @@ class LeaseBeatConfig:
         if not isinstance(overrides, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in overrides.items()
         ):
-            raise ConfigurationError(
-                f"leasebeat_overrides must map schedule names to cron strings, got {overrides!r}"
-            )
+            raise ConfigurationError(f"leasebeat_overrides must map schedule names to cron strings, got {overrides!r}")
         engine_options = get("engine_options", {})
         if not isinstance(engine_options, dict):
-            raise ConfigurationError(
-                f"leasebeat_engine_options must be a dict, got {engine_options!r}"
-            )
+            raise ConfigurationError(f"leasebeat_engine_options must be a dict, got {engine_options!r}")
         return cls(
             database_url=url,
-            polling_interval=_positive_number(
-                "polling_interval", get("polling_interval", DEFAULT_POLLING_INTERVAL)
-            ),
-            lease_seconds=_positive_number(
-                "lease_seconds", get("lease_seconds", DEFAULT_LEASE_SECONDS)
-            ),
+            polling_interval=_positive_number("polling_interval", get("polling_interval", DEFAULT_POLLING_INTERVAL)),
+            lease_seconds=_positive_number("lease_seconds", get("lease_seconds", DEFAULT_LEASE_SECONDS)),
             batch_size=_positive_int("batch_size", get("batch_size", DEFAULT_BATCH_SIZE)),
-            max_attempts=_positive_int(
-                "max_attempts", get("max_attempts", DEFAULT_MAX_ATTEMPTS)
-            ),
+            max_attempts=_positive_int("max_attempts", get("max_attempts", DEFAULT_MAX_ATTEMPTS)),
             table_prefix=prefix,
             schema=schema,
             overrides=dict(overrides),
@@ -125,9 +113,7 @@ def _positive_number(name: str, value: Any) -> float:
         if isinstance(value, bool) or not number > 0 or number != number or number == float("inf"):
             raise ValueError
     except (TypeError, ValueError):
-        raise ConfigurationError(
-            f"leasebeat_{name} must be a positive number of seconds, got {value!r}"
-        ) from None
+        raise ConfigurationError(f"leasebeat_{name} must be a positive number of seconds, got {value!r}") from None
     return number
 
 
@@ -136,7 +122,5 @@ def _positive_int(name: str, value: Any) -> int:
         if isinstance(value, bool) or float(value) != int(value) or int(value) < 1:
             raise ValueError
     except (TypeError, ValueError, OverflowError):
-        raise ConfigurationError(
-            f"leasebeat_{name} must be a positive whole number, got {value!r}"
-        ) from None
+        raise ConfigurationError(f"leasebeat_{name} must be a positive whole number, got {value!r}") from None
     return int(value)

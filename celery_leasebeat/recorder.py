@@ -222,7 +222,9 @@ class _Heartbeat:
                     logger.warning("leasebeat: could not extend leases: %s", exc)
                     continue
                 for name in lost:
-                    logger.warning("leasebeat: the lease of running schedule %s was lost; another claim may run it", name)
+                    logger.warning(
+                        "leasebeat: the lease of running schedule %s was lost; another claim may run it", name
+                    )
 
 
 heartbeat = _Heartbeat()

@@ -102,9 +102,7 @@ def collect_definitions(app: Celery, config: LeaseBeatConfig) -> list[ScheduleDe
     definitions: dict[str, ScheduleDefinition] = {}
     for entry_name, entry in _beat_schedule_with_defaults(app).items():
         if not isinstance(entry, Mapping) or "task" not in entry or "schedule" not in entry:
-            raise InvalidSchedule(
-                f"beat_schedule entry {entry_name!r} must be a dict with 'task' and 'schedule'"
-            )
+            raise InvalidSchedule(f"beat_schedule entry {entry_name!r} must be a dict with 'task' and 'schedule'")
         definitions[entry_name] = _definition(
             entry_name,
             entry["task"],
@@ -186,13 +184,9 @@ def _definition(
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return ScheduleDefinition(kind="interval", interval_seconds=float(value), timezone=timezone, **common)
     if isinstance(value, timedelta):
-        return ScheduleDefinition(
-            kind="interval", interval_seconds=value.total_seconds(), timezone=timezone, **common
-        )
+        return ScheduleDefinition(kind="interval", interval_seconds=value.total_seconds(), timezone=timezone, **common)
     if isinstance(value, crontab):
-        return ScheduleDefinition(
-            kind="crontab", cron=crontab_expression(value), timezone=_app_timezone(app), **common
-        )
+        return ScheduleDefinition(kind="crontab", cron=crontab_expression(value), timezone=_app_timezone(app), **common)
     if type(value) is schedule:
         return ScheduleDefinition(
             kind="interval", interval_seconds=value.run_every.total_seconds(), timezone=timezone, **common
@@ -253,4 +247,4 @@ def _app_timezone(app: Celery) -> str:
 def _current_app() -> Celery:
     from celery import current_app
 
-    return current_app._get_current_object()  # type: ignore[no-any-return]
+    return current_app._get_current_object()

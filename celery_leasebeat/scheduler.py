@@ -78,8 +78,11 @@ class LeaseScheduler(Scheduler):
         self._store = store_for(self.app)
         logger.info(
             "beat: leasebeat using %s with %d schedule(s), lease %ss, polling %ss, replica %s",
-            self._store.safe_url, len(self._definitions), self._config.lease_seconds,
-            self._config.polling_interval, self.owner,
+            self._store.safe_url,
+            len(self._definitions),
+            self._config.lease_seconds,
+            self._config.polling_interval,
+            self.owner,
         )
 
     def _check_tasks(self) -> None:
@@ -107,8 +110,7 @@ class LeaseScheduler(Scheduler):
             return f"    . leasebeat -> invalid settings: {exc}"
         url = store_for(self.app).safe_url
         return (
-            f"    . leasebeat -> {url}\n"
-            f"    . lease -> {config.lease_seconds}s, polling -> {config.polling_interval}s"
+            f"    . leasebeat -> {url}\n    . lease -> {config.lease_seconds}s, polling -> {config.polling_interval}s"
         )
 
     # -- the cycle ---------------------------------------------------------------------------
@@ -149,8 +151,10 @@ class LeaseScheduler(Scheduler):
         report = self._store.sync(self._definitions, remove_missing=True)
         self._synced_version = registry.version
         for label, names in (
-            ("added", report.inserted), ("retimed", report.retimed),
-            ("updated", report.updated), ("removed (no longer registered)", report.removed),
+            ("added", report.inserted),
+            ("retimed", report.retimed),
+            ("updated", report.updated),
+            ("removed (no longer registered)", report.removed),
         ):
             if names:
                 logger.info("beat: schedules %s: %s", label, ", ".join(sorted(names)))
@@ -190,13 +194,17 @@ class LeaseScheduler(Scheduler):
                     "beat: no outcome arrived for %s@%s within its lease; dispatching it "
                     "again (attempt %d of %d). Workers record outcomes only when they import "
                     "celery_leasebeat.",
-                    claim.schedule, claim.occurrence.isoformat(), claim.attempt, self._config.max_attempts,
+                    claim.schedule,
+                    claim.occurrence.isoformat(),
+                    claim.attempt,
+                    self._config.max_attempts,
                 )
             to_publish.append(claim)
         published, unpublished, broker_error = self._publish(to_publish, now)
         if published:
             logger.info(
-                "beat: dispatched %d occurrence(s): %s", len(published),
+                "beat: dispatched %d occurrence(s): %s",
+                len(published),
                 ", ".join(f"{c.schedule}@{c.occurrence.isoformat()}" for c in published[:5])
                 + (" ..." if len(published) > 5 else ""),
             )
@@ -207,9 +215,7 @@ class LeaseScheduler(Scheduler):
                 )
         if unpublished:
             self._store.release(unpublished, f"publish failed: {broker_error}")
-            raise _BrokerUnavailable(
-                f"{broker_error}; released {len(unpublished)} claimed occurrence(s) for retry"
-            )
+            raise _BrokerUnavailable(f"{broker_error}; released {len(unpublished)} claimed occurrence(s) for retry")
 
     def _publish(
         self, claims: list[ClaimedRun], now: datetime
@@ -228,7 +234,7 @@ class LeaseScheduler(Scheduler):
         for index, claim in enumerate(claims):
             try:
                 self._send(claim, producer)
-            except (BrokerOperationalError, *self._connection_errors()) as exc:
+            except self._connection_errors() as exc:
                 self._drop_producer()
                 return published, claims[index:], _describe(exc)
             except Exception as exc:
@@ -283,10 +289,9 @@ class LeaseScheduler(Scheduler):
         return self._publisher
 
     def _connection_errors(self) -> tuple[type[BaseException], ...]:
-        if self._publisher is None:
-            return ()
+        """What the broker raises when it is away: kombu's own and the transport's."""
         connection = self._publisher.connection
-        return tuple(connection.connection_errors) + tuple(connection.channel_errors)
+        return (BrokerOperationalError, *connection.connection_errors, *connection.channel_errors)
 
     def _drop_producer(self) -> None:
         publisher, self._publisher = self._publisher, None

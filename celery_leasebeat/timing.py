@@ -105,9 +105,7 @@ class CronSpec:
                 second_at_beginning=self.has_seconds,
             ).get_next(datetime)
         except (CroniterError, ValueError, KeyError, TypeError) as exc:
-            raise InvalidCron(
-                f"schedule {schedule!r}: invalid cron expression {self.expression!r}: {exc}"
-            ) from None
+            raise InvalidCron(f"schedule {schedule!r}: invalid cron expression {self.expression!r}: {exc}") from None
         return self
 
     def next_after(self, after: datetime, previous: datetime | None = None) -> datetime:
@@ -162,8 +160,7 @@ class IntervalSpec:
     def validate(self, *, schedule: str = "?") -> IntervalSpec:
         if not isinstance(self.seconds, (int, float)) or not self.seconds > 0:
             raise InvalidSchedule(
-                f"schedule {schedule!r}: an interval must be a positive number of seconds, "
-                f"got {self.seconds!r}"
+                f"schedule {schedule!r}: an interval must be a positive number of seconds, got {self.seconds!r}"
             )
         return self
 
@@ -223,9 +220,7 @@ def _fold_walls(zone: ZoneInfo, wall: datetime) -> tuple[datetime, datetime] | N
     offset_before = first.utcoffset()
     offset_after = second.utcoffset()
     assert offset_before is not None and offset_after is not None
-    return (change + offset_after).replace(tzinfo=None), (change + offset_before).replace(
-        tzinfo=None
-    )
+    return (change + offset_after).replace(tzinfo=None), (change + offset_before).replace(tzinfo=None)
 
 
 @lru_cache(maxsize=1024)

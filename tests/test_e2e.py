@@ -12,7 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -51,7 +51,10 @@ class Cluster:
         log = open(self.tmp_path / f"{name}.log", "wb")
         process = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "e2eapp", *args],
-            cwd=self.tmp_path, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=self.tmp_path,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         self.processes[name] = process
         return process
@@ -61,8 +64,19 @@ class Cluster:
 
     def worker(self, name: str, concurrency: int = 2) -> subprocess.Popen[bytes]:
         return self._start(
-            name, "worker", "-l", "info", "-c", str(concurrency), "-n", f"{name}-{self.prefix}@%h",
-            "-Q", self.env["E2E_QUEUE"], "--without-gossip", "--without-mingle", "--without-heartbeat",
+            name,
+            "worker",
+            "-l",
+            "info",
+            "-c",
+            str(concurrency),
+            "-n",
+            f"{name}-{self.prefix}@%h",
+            "-Q",
+            self.env["E2E_QUEUE"],
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
         )
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
@@ -84,7 +98,8 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(
-            f"----- {path.name}\n{path.read_text(errors='replace')[-6000:]}" for path in sorted(self.tmp_path.glob("*.log"))
+            f"----- {path.name}\n{path.read_text(errors='replace')[-6000:]}"
+            for path in sorted(self.tmp_path.glob("*.log"))
         )
 
     def wait_for(self, predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -217,7 +232,10 @@ def test_an_existing_beat_schedule_runs_unchanged(make_cluster, tmp_path: Path) 
     [
         ({"E2E_LEASE": "soon"}, "leasebeat_lease_seconds must be a positive number of seconds, got 'soon'"),
         ({"E2E_POLLING": "-1"}, "leasebeat_polling_interval"),
-        ({"E2E_EVERY_SECOND": "alpha", "E2E_OVERRIDES": '{"alpha": "0 25 * * *"}'}, "schedule 'alpha': invalid cron expression '0 25 * * *'"),
+        (
+            {"E2E_EVERY_SECOND": "alpha", "E2E_OVERRIDES": '{"alpha": "0 25 * * *"}'},
+            "schedule 'alpha': invalid cron expression '0 25 * * *'",
+        ),
         ({"E2E_UNKNOWN_TASK": "1"}, "schedule 'typo': unknown task 'e2eapp.recrod'"),
     ],
 )

@@ -34,12 +34,12 @@ def app() -> Iterator[Celery]:
         result_expires=None,
     )
 
-    @app.task(name=f"{app.main}.boom")
+    @app.task(name=f"{app.main}.boom", shared=False)
     def boom() -> None:
         BODIES.append("boom")
         raise ValueError("the disk is full")
 
-    @app.task(name=f"{app.main}.fine", bind=True)
+    @app.task(name=f"{app.main}.fine", bind=True, shared=False)
     def fine(self) -> str:
         BODIES.append(self.request.id)
         return "ok"

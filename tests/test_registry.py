@@ -18,7 +18,7 @@ from celery_leasebeat.registry import collect_definitions, crontab_expression, r
 def app() -> Celery:
     app = Celery("registry-test", broker="memory://", set_as_current=False)
 
-    @app.task(name="proj.purge")
+    @app.task(name="proj.purge", shared=False)
     def purge() -> None: ...
 
     return app

@@ -33,7 +33,7 @@ def make_app(database_url: str, broker_url: str = "memory://", **settings: objec
         **settings,
     )
 
-    @app.task(name="proj.work")
+    @app.task(name="proj.work", shared=False)
     def work() -> None: ...
 
     return app
@@ -110,7 +110,9 @@ def test_the_wait_ends_at_the_next_due_occurrence(tmp_path: Path, cleanup: list[
     assert runs and runs[0]["state"] == RunState.DISPATCHED
 
 
-def test_database_outage_backs_off_and_never_double_dispatches(cleanup: list[tuple[Celery, str]], caplog: pytest.LogCaptureFixture) -> None:
+def test_database_outage_backs_off_and_never_double_dispatches(
+    cleanup: list[tuple[Celery, str]], caplog: pytest.LogCaptureFixture
+) -> None:
     require_server(POSTGRES_URL, "PostgreSQL")
     require_server(REDIS_URL, "Redis")
     target = urlparse(POSTGRES_URL.replace("+psycopg", ""))
@@ -153,7 +155,9 @@ def test_database_outage_backs_off_and_never_double_dispatches(cleanup: list[tup
         proxy.close()
 
 
-def test_broker_outage_releases_claims_and_retries_them(cleanup: list[tuple[Celery, str]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_broker_outage_releases_claims_and_retries_them(
+    cleanup: list[tuple[Celery, str]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     require_server(REDIS_URL, "Redis")
     target = urlparse(REDIS_URL)
     proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 6379)

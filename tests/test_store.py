@@ -159,16 +159,24 @@ def test_fenced_outcome_with_a_stale_token_changes_nothing(store: Store) -> None
     before = store.get_schedule("a")
 
     applied = store.finish_run(
-        schedule="a", run_id=claim.run_id, token="stale-token", occurrence=claim.occurrence,
-        outcome=RunState.SUCCEEDED, duration_ms=5,
+        schedule="a",
+        run_id=claim.run_id,
+        token="stale-token",
+        occurrence=claim.occurrence,
+        outcome=RunState.SUCCEEDED,
+        duration_ms=5,
     )
     assert applied is False
     assert store.get_schedule("a") == before
     assert store.list_runs()[0]["state"] == RunState.CLAIMED
 
     assert store.finish_run(
-        schedule="a", run_id=claim.run_id, token=claim.lease_token, occurrence=claim.occurrence,
-        outcome=RunState.SUCCEEDED, duration_ms=5,
+        schedule="a",
+        run_id=claim.run_id,
+        token=claim.lease_token,
+        occurrence=claim.occurrence,
+        outcome=RunState.SUCCEEDED,
+        duration_ms=5,
     )
     after = store.get_schedule("a")
     assert after["lease_token"] is None and after["lease_until"] is None
@@ -196,8 +204,12 @@ def test_expired_lease_is_reclaimed_under_the_same_run_id_and_fences_the_old_cla
     stale = store.start_run(schedule="a", run_id=first.run_id, token=first.lease_token, worker="w", lease_seconds=5)
     assert not stale.run
     assert not store.finish_run(
-        schedule="a", run_id=first.run_id, token=first.lease_token, occurrence=first.occurrence,
-        outcome=RunState.FAILED, duration_ms=1,
+        schedule="a",
+        run_id=first.run_id,
+        token=first.lease_token,
+        occurrence=first.occurrence,
+        outcome=RunState.FAILED,
+        duration_ms=1,
     )
     assert store.get_schedule("a")["lease_token"] == second.lease_token
 
@@ -216,8 +228,12 @@ def test_start_runs_a_delivery_once(store: Store) -> None:
     assert not redelivered.run and redelivered.state == RunState.STARTED
 
     store.finish_run(
-        schedule="a", run_id=claim.run_id, token=claim.lease_token, occurrence=claim.occurrence,
-        outcome=RunState.SUCCEEDED, duration_ms=1,
+        schedule="a",
+        run_id=claim.run_id,
+        token=claim.lease_token,
+        occurrence=claim.occurrence,
+        outcome=RunState.SUCCEEDED,
+        duration_ms=1,
     )
     after_completion = store.start_run(**kwargs)
     assert not after_completion.run and after_completion.state == RunState.SUCCEEDED
@@ -252,8 +268,12 @@ def test_a_missed_schedule_runs_once_then_advances_recording_the_drop(store: Sto
     (claim,) = claim_all(store, now)
     assert claim.occurrence == long_ago
     store.finish_run(
-        schedule="a", run_id=claim.run_id, token=claim.lease_token, occurrence=claim.occurrence,
-        outcome=RunState.SUCCEEDED, duration_ms=1,
+        schedule="a",
+        run_id=claim.run_id,
+        token=claim.lease_token,
+        occurrence=claim.occurrence,
+        outcome=RunState.SUCCEEDED,
+        duration_ms=1,
     )
     row = store.get_schedule("a")
     after = store.now()

@@ -86,13 +86,9 @@ def _translate_errors(method: F) -> F:
         except (IntegrityError, ProgrammingError):
             raise
         except (OperationalError, DBAPIError) as exc:
-            if isinstance(exc, DBAPIError) and not (
-                isinstance(exc, OperationalError) or exc.connection_invalidated
-            ):
+            if isinstance(exc, DBAPIError) and not (isinstance(exc, OperationalError) or exc.connection_invalidated):
                 raise
-            raise DatabaseUnavailable(
-                f"database {self.safe_url} unavailable: {_first_line(exc.orig or exc)}"
-            ) from exc
+            raise DatabaseUnavailable(f"database {self.safe_url} unavailable: {_first_line(exc.orig or exc)}") from exc
 
     return wrapper  # type: ignore[return-value]
 
@@ -180,9 +176,7 @@ class Store:
     # -- registrations and operator edits ------------------------------------------------
 
     @_translate_errors
-    def sync(
-        self, definitions: Sequence[ScheduleDefinition], *, remove_missing: bool = False
-    ) -> SyncReport:
+    def sync(self, definitions: Sequence[ScheduleDefinition], *, remove_missing: bool = False) -> SyncReport:
         """Upsert *definitions* by name.
 
         A new schedule gets ``next_run_at`` = its first occurrence after now. A row whose
@@ -202,13 +196,13 @@ class Store:
                 chunk = names[start : start + _CHUNK]
                 for row in connection.execute(select(s).where(s.c.name.in_(chunk))):
                     existing[row.name] = row
-            new_rows = []
+            new_rows: list[dict[str, Any]] = []
             for name, definition in by_name.items():
-                row = existing.get(name)
-                if row is None:
+                if name not in existing:
                     new_rows.append(self._definition_values(definition, now, origin=True))
                     report.inserted.append(name)
                     continue
+                row = existing[name]
                 changes = self._definition_changes(row, definition)
                 if not changes:
                     continue
@@ -224,11 +218,15 @@ class Store:
             if new_rows:
                 connection.execute(insert_ignoring_duplicates(self.engine, s), new_rows)
             if remove_missing:
-                stale = connection.execute(
-                    select(s.c.name).where(s.c.origin == "code", s.c.name.not_in(names))
-                    if names
-                    else select(s.c.name).where(s.c.origin == "code")
-                ).scalars().all()
+                stale = (
+                    connection.execute(
+                        select(s.c.name).where(s.c.origin == "code", s.c.name.not_in(names))
+                        if names
+                        else select(s.c.name).where(s.c.origin == "code")
+                    )
+                    .scalars()
+                    .all()
+                )
                 if stale:
                     connection.execute(delete(s).where(s.c.name.in_(stale)))
                     report.removed.extend(stale)
@@ -283,17 +281,15 @@ class Store:
         cron = cron.strip() if cron and cron.strip() else None
         with self._transaction() as connection:
             now = self._now(connection)
-            row = connection.execute(
-                select(s).where(s.c.name == name).with_for_update()
-            ).one_or_none()
+            row = connection.execute(select(s).where(s.c.name == name).with_for_update()).one_or_none()
             if row is None:
                 raise UnknownSchedule(f"no schedule named {name!r}")
             old_spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron)
             new_spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, cron)
             if cron is not None:
-                new_spec.validate(schedule=name)  # type: ignore[union-attr]
+                new_spec.validate(schedule=name)
             values: dict[str, Any] = {"override_cron": cron, "updated_at": now, "version": s.c.version + 1}
-            next_run_at = row.next_run_at
+            next_run_at: datetime = row.next_run_at
             if new_spec != old_spec:
                 next_run_at = values["next_run_at"] = new_spec.next_after(now, previous=now)
             connection.execute(s.update().where(s.c.name == name).values(**values))
@@ -336,11 +332,7 @@ class Store:
             .scalar_subquery()
         )
         next_expiry = (
-            select(s.c.lease_until)
-            .where(s.c.lease_until >= now)
-            .order_by(s.c.lease_until)
-            .limit(1)
-            .scalar_subquery()
+            select(s.c.lease_until).where(s.c.lease_until >= now).order_by(s.c.lease_until).limit(1).scalar_subquery()
         )
         with self.engine.connect() as connection:
             row = connection.execute(
@@ -349,9 +341,7 @@ class Store:
         return Probe(now=row.now, next_due=row.next_due, next_expiry=row.next_expiry)
 
     @_translate_errors
-    def claim(
-        self, now: datetime, *, limit: int, lease_seconds: float, owner: str
-    ) -> list[ClaimedRun]:
+    def claim(self, now: datetime, *, limit: int, lease_seconds: float, owner: str) -> list[ClaimedRun]:
         """Lease up to *limit* occurrences due at *now* (the cycle's database clock) and
         write their ledger rows; return them earliest first."""
         s, r = self.tables.schedules, self.tables.runs
@@ -368,9 +358,7 @@ class Store:
             result = connection.execute(claim_statement(self.engine, s, self._due(now), values, limit))
             if not result.rowcount:
                 return []
-            rows = connection.execute(
-                select(s).where(s.c.lease_token == token).order_by(s.c.next_run_at)
-            ).all()
+            rows = connection.execute(select(s).where(s.c.lease_token == token).order_by(s.c.next_run_at)).all()
             claims = [
                 ClaimedRun(
                     schedule=row.name,
@@ -410,8 +398,17 @@ class Store:
                     self.engine,
                     r,
                     ledger,
-                    ["state", "attempts", "lease_token", "replica", "claimed_at",
-                     "dispatched_at", "started_at", "worker", "error"],
+                    [
+                        "state",
+                        "attempts",
+                        "lease_token",
+                        "replica",
+                        "claimed_at",
+                        "dispatched_at",
+                        "started_at",
+                        "worker",
+                        "error",
+                    ],
                 )
             )
         return claims
@@ -457,9 +454,7 @@ class Store:
         return released
 
     @_translate_errors
-    def give_up(
-        self, claim: ClaimedRun, now: datetime, reason: str, outcome: str = RunState.LOST
-    ) -> bool:
+    def give_up(self, claim: ClaimedRun, now: datetime, reason: str, outcome: str = RunState.LOST) -> bool:
         """Record an occurrence that will not run (lost, or failed to publish) and advance
         its schedule past it (fenced)."""
         next_run_at, missed = advance(claim.spec, claim.occurrence, now)
@@ -499,17 +494,13 @@ class Store:
             return set()
         s = self.tables.schedules
         with self.engine.connect() as connection:
-            rows = connection.execute(
-                select(s.c.name, s.c.lease_token).where(s.c.name.in_(list(wanted)))
-            ).all()
+            rows = connection.execute(select(s.c.name, s.c.lease_token).where(s.c.name.in_(list(wanted)))).all()
         return {row.name for row in rows if row.lease_token == wanted[row.name]}
 
     # -- the worker side -----------------------------------------------------------------
 
     @_translate_errors
-    def start_run(
-        self, *, schedule: str, run_id: str, token: str, worker: str, lease_seconds: float
-    ) -> StartDecision:
+    def start_run(self, *, schedule: str, run_id: str, token: str, worker: str, lease_seconds: float) -> StartDecision:
         """Mark a delivered occurrence started, extending its lease, if this delivery may
         run: its token must still hold the lease (else a newer claim owns the occurrence)
         and its ledger row must not have started already (else this is a redelivery)."""
@@ -578,13 +569,16 @@ class Store:
         with self._transaction() as connection:
             now = self._now(connection)
             row = connection.execute(
-                select(s.c.kind, s.c.cron, s.c.interval_seconds, s.c.timezone, s.c.override_cron)
-                .where(s.c.name == schedule, s.c.lease_token == token)
+                select(s.c.kind, s.c.cron, s.c.interval_seconds, s.c.timezone, s.c.override_cron).where(
+                    s.c.name == schedule, s.c.lease_token == token
+                )
             ).one_or_none()
             if row is None:
                 logger.warning(
-                    "leasebeat: stale outcome %s of %s@%s ignored: its lease token no longer "
-                    "holds the lease", outcome, schedule, occurrence.isoformat(),
+                    "leasebeat: stale outcome %s of %s@%s ignored: its lease token no longer holds the lease",
+                    outcome,
+                    schedule,
+                    occurrence.isoformat(),
                 )
                 return False
             spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron)
@@ -621,8 +615,11 @@ class Store:
             logger.warning(
                 "leasebeat: schedule %s dropped %s%d occurrence(s) that elapsed before its "
                 "run of %s finished; next run %s",
-                schedule, "at least " if missed >= MAX_MISSED_COUNT else "", missed,
-                occurrence.isoformat(), next_run_at.isoformat(),
+                schedule,
+                "at least " if missed >= MAX_MISSED_COUNT else "",
+                missed,
+                occurrence.isoformat(),
+                next_run_at.isoformat(),
             )
         return True
 

@@ -50,11 +50,7 @@ def claim_statement(
     if is_mysql(engine):
         return _OrderedLimitedUpdate(table, table.c.next_run_at, limit).where(due).ordered_values(*values)
     batch: Select[Any] = (
-        table.select()
-        .with_only_columns(table.c.name)
-        .where(due)
-        .order_by(table.c.next_run_at)
-        .limit(limit)
+        table.select().with_only_columns(table.c.name).where(due).order_by(table.c.next_run_at).limit(limit)
     )
     if engine.dialect.name == "postgresql":
         # A materialised CTE runs the locking subquery exactly once; as an IN-subquery the
