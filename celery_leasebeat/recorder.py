@@ -55,7 +55,7 @@ def wrap_tasks(app: Any) -> list[Any]:
     """Wrap the ``run`` of every task of *app* not wrapped yet; return the newly wrapped."""
     wrapped = []
     for task in list(app.tasks.values()):
-        if getattr(task, "_leasebeat_wrapped", False) or task.name.startswith("celery."):
+        if getattr(task, "_leasebeat_wrapped", False):
             continue
         _wrap(task)
         wrapped.append(task)

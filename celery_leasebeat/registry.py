@@ -127,7 +127,7 @@ def collect_definitions(app: Celery, config: LeaseBeatConfig) -> list[ScheduleDe
             definitions[override_name] = ScheduleDefinition(
                 name=current.name,
                 task=current.task,
-                kind="crontab" if current.kind == "crontab" else "cron",
+                kind="cron",  # an override is a standard cron expression
                 cron=expression.strip(),
                 timezone=current.timezone,
                 args=current.args,

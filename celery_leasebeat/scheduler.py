@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
@@ -324,7 +324,7 @@ class LeaseScheduler(Scheduler):
                     del self._inflight[name]
             if len(still_running) < len(overdue):
                 return 0.0  # a run finished after the probe: its next occurrence is unseen
-            return min(OVERRUN_RECHECK_SECONDS, self._config.polling_interval)
+            candidates.append(now + timedelta(seconds=OVERRUN_RECHECK_SECONDS))
         if not candidates:
             return self._config.polling_interval
         wait = (min(candidates) - now).total_seconds()

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, and_, case, create_engine, delete, event, or_, select
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError, ProgrammingError
 
 from ..errors import DatabaseUnavailable, UnknownSchedule
 from ..timing import Spec, occurrences_between
@@ -85,8 +85,8 @@ def _translate_errors(method: F) -> F:
             return method(self, *args, **kwargs)
         except (IntegrityError, ProgrammingError):
             raise
-        except (OperationalError, DBAPIError) as exc:
-            if isinstance(exc, DBAPIError) and not (isinstance(exc, OperationalError) or exc.connection_invalidated):
+        except DBAPIError as exc:
+            if not (isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated):
                 raise
             raise DatabaseUnavailable(f"database {self.safe_url} unavailable: {_first_line(exc.orig or exc)}") from exc
 
@@ -526,6 +526,13 @@ class Store:
             if started:
                 return StartDecision(run=True)
             state = connection.execute(select(r.c.state).where(r.c.id == run_id)).scalar_one_or_none()
+            known = held or connection.execute(select(s.c.name).where(s.c.name == schedule)).first() is not None
+        if not known:
+            return StartDecision(
+                run=False,
+                reason=f"schedule {schedule!r} is not in {self.safe_url}: the worker must use the same "
+                f"leasebeat_database_url (and table prefix) as beat",
+            )
         if not held and state in RunState.OUTCOMES:
             return StartDecision(run=False, reason=f"the occurrence already finished (state {state})", state=state)
         if not held:

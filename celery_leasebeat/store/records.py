@@ -59,9 +59,10 @@ def spec_for(
     timezone: str,
     override: str | None = None,
 ) -> Spec:
-    """The effective timing of a schedule: the override wins when set and non-blank."""
+    """The effective timing of a schedule: the override (a standard cron expression) wins
+    when set and non-blank."""
     if override is not None and override.strip():
-        return CronSpec(override.strip(), timezone, day_or=kind != "crontab")
+        return CronSpec(override.strip(), timezone)
     if kind == "interval":
         assert interval_seconds is not None
         return IntervalSpec(interval_seconds)
