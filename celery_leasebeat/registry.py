@@ -37,6 +37,8 @@ def register_schedule(
     timezone: str = "UTC",
     options: Mapping[str, Any] | None = None,
     app: Celery | None = None,
+    grace: float | timedelta | None = None,
+    max_runtime: float | timedelta | None = None,
 ) -> ScheduleDefinition:
     """Register *task* to run on a schedule under LeaseScheduler.
 
@@ -46,6 +48,11 @@ def register_schedule(
     the ``leasebeat_overrides`` setting supplies the expression. *name* defaults to the
     task's name. An invalid expression or zone raises
     :class:`~celery_leasebeat.errors.InvalidSchedule` here, naming the schedule.
+
+    *grace* and *max_runtime* (seconds or ``timedelta``) turn on missed-run detection: an
+    occurrence not claimed within *grace* of its time is recorded ``missed`` and not run, one
+    dispatched but not started within *grace* is flagged, and a run longer than
+    *max_runtime* is flagged (see docs/operations.md).
     """
     task_name = task if isinstance(task, str) else task.name
     if not task_name:
@@ -63,6 +70,8 @@ def register_schedule(
         options=options,
         app=app,
         allow_missing=True,
+        grace=_seconds(grace, schedule_name, "grace"),
+        max_runtime=_seconds(max_runtime, schedule_name, "max_runtime"),
     )
     if definition.cron is not None or definition.kind == "interval":
         validate(definition)
@@ -133,6 +142,8 @@ def collect_definitions(app: Celery, config: LeaseBeatConfig) -> list[ScheduleDe
                 args=current.args,
                 kwargs=current.kwargs,
                 options=current.options,
+                grace_seconds=current.grace_seconds,
+                max_runtime_seconds=current.max_runtime_seconds,
             )
     for definition in definitions.values():
         if definition.kind != "interval" and definition.cron is None:
@@ -169,6 +180,8 @@ def _definition(
     options: Mapping[str, Any] | None,
     app: Celery,
     allow_missing: bool,
+    grace: float | None = None,
+    max_runtime: float | None = None,
 ) -> ScheduleDefinition:
     common: dict[str, Any] = {
         "name": name,
@@ -176,6 +189,8 @@ def _definition(
         "args": list(args or ()),
         "kwargs": dict(kwargs or {}),
         "options": dict(options or {}),
+        "grace_seconds": grace,
+        "max_runtime_seconds": max_runtime,
     }
     if value is None and allow_missing:
         return ScheduleDefinition(kind="cron", cron=None, timezone=timezone, **common)
@@ -196,6 +211,15 @@ def _definition(
         f"schedule {name!r}: LeaseScheduler cannot serve a {kind} schedule; use a cron "
         f"expression, a crontab, a number of seconds, a timedelta or celery.schedules.schedule"
     )
+
+
+def _seconds(value: float | timedelta | None, schedule: str, label: str) -> float | None:
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise InvalidSchedule(f"schedule {schedule!r}: {label} must be a positive number of seconds, got {value!r}")
+    return float(seconds)
 
 
 def crontab_expression(value: crontab) -> str:

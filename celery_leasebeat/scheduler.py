@@ -17,14 +17,13 @@ from functools import lru_cache
 from typing import Any
 
 from celery.beat import Scheduler
-from kombu.exceptions import OperationalError as BrokerOperationalError
 
 from .binding import store_for
 from .config import LeaseBeatConfig
+from .dispatcher import BrokerUnavailable, Dispatcher
 from .errors import DatabaseUnavailable, InvalidSchedule
-from .recorder import HEADER_OCCURRENCE, HEADER_SCHEDULE, HEADER_TOKEN
 from .registry import collect_definitions, registrations
-from .store import ClaimedRun, Probe, RunState, Store
+from .store import Probe, Store
 from .timing import Spec
 
 logger = logging.getLogger("celery_leasebeat.scheduler")
@@ -62,7 +61,7 @@ class LeaseScheduler(Scheduler):
         self._synced_version: int | None = None
         self._failures = 0
         self._inflight: dict[str, _InFlight] = {}
-        self._publisher: Any = None
+        self._dispatcher: Dispatcher | None = None
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         super().__init__(app, *args, **kwargs)
 
@@ -76,6 +75,7 @@ class LeaseScheduler(Scheduler):
         self._definitions = collect_definitions(self.app, self._config)
         self._check_tasks()
         self._store = store_for(self.app)
+        self._dispatcher = Dispatcher(self.app, self._store, self._config, self.Producer)
         logger.info(
             "beat: leasebeat using %s with %d schedule(s), lease %ss, polling %ss, replica %s",
             self._store.safe_url,
@@ -124,7 +124,7 @@ class LeaseScheduler(Scheduler):
             wait = self._cycle()
         except DatabaseUnavailable as exc:
             return self._back_off(f"beat: {exc}")
-        except _BrokerUnavailable as exc:
+        except BrokerUnavailable as exc:
             return self._back_off(f"beat: broker unavailable: {exc}")
         if self._failures:
             logger.info("beat: database and broker reachable again")
@@ -171,135 +171,15 @@ class LeaseScheduler(Scheduler):
             )
             if not claims:
                 return CONTENDED_RETRY_SECONDS
-            self._handle(claims, probe.now)
+            assert self._dispatcher is not None
+            for claim in self._dispatcher.dispatch(claims, probe.now):
+                self._inflight[claim.schedule] = _InFlight(
+                    claim.lease_token, _following(claim.spec, claim.occurrence, probe.now), claim.lease_until
+                )
             # More may be due (a full batch) and the wait must be computed from a fresh
             # probe that sees what this cycle changed: tick again at once.
             return 0.0
         return self._wait(probe)
-
-    def _handle(self, claims: list[ClaimedRun], now: datetime) -> None:
-        assert self._store is not None and self._config is not None
-        to_publish = []
-        for claim in claims:
-            if claim.attempt > self._config.max_attempts:
-                reason = (
-                    f"no outcome after {claim.attempt - 1} dispatches: the run never reported "
-                    f"back (are the workers importing celery_leasebeat?)"
-                )
-                logger.warning("beat: %s@%s recorded as lost: %s", claim.schedule, claim.occurrence.isoformat(), reason)
-                self._store.give_up(claim, now, reason)
-                continue
-            if claim.attempt > 1:
-                logger.warning(
-                    "beat: no outcome arrived for %s@%s within its lease; dispatching it "
-                    "again (attempt %d of %d). Workers record outcomes only when they import "
-                    "celery_leasebeat.",
-                    claim.schedule,
-                    claim.occurrence.isoformat(),
-                    claim.attempt,
-                    self._config.max_attempts,
-                )
-            to_publish.append(claim)
-        published, unpublished, broker_error = self._publish(to_publish, now)
-        if published:
-            logger.info(
-                "beat: dispatched %d occurrence(s): %s",
-                len(published),
-                ", ".join(f"{c.schedule}@{c.occurrence.isoformat()}" for c in published[:5])
-                + (" ..." if len(published) > 5 else ""),
-            )
-            self._store.mark_dispatched(published[0].lease_token, [c.run_id for c in published])
-            for claim in published:
-                self._inflight[claim.schedule] = _InFlight(
-                    claim.lease_token, _following(claim.spec, claim.occurrence, now), claim.lease_until
-                )
-        if unpublished:
-            self._store.release(unpublished, f"publish failed: {broker_error}")
-            raise _BrokerUnavailable(f"{broker_error}; released {len(unpublished)} claimed occurrence(s) for retry")
-
-    def _publish(
-        self, claims: list[ClaimedRun], now: datetime
-    ) -> tuple[list[ClaimedRun], list[ClaimedRun], str | None]:
-        """Publish *claims* in order over one connection. On a broker error, stop and return
-        the rest as unpublished; a message that cannot be built at all is recorded failed."""
-        assert self._store is not None
-        if not claims:
-            return [], [], None
-        try:
-            producer = self._producer()
-        except Exception as exc:
-            self._drop_producer()
-            return [], claims, _describe(exc)
-        published: list[ClaimedRun] = []
-        for index, claim in enumerate(claims):
-            try:
-                self._send(claim, producer)
-            except self._connection_errors() as exc:
-                self._drop_producer()
-                return published, claims[index:], _describe(exc)
-            except Exception as exc:
-                reason = f"could not be published: {_describe(exc)}"
-                logger.error("beat: %s@%s %s", claim.schedule, claim.occurrence.isoformat(), reason)
-                self._store.give_up(claim, now, reason, outcome=RunState.FAILED)
-                continue
-            published.append(claim)
-        return published, [], None
-
-    def _send(self, claim: ClaimedRun, producer: Any) -> None:
-        options = dict(claim.options)
-        headers = dict(options.pop("headers", None) or {})
-        headers.update(
-            {
-                HEADER_SCHEDULE: claim.schedule,
-                HEADER_OCCURRENCE: claim.occurrence.isoformat(),
-                HEADER_TOKEN: claim.lease_token,
-                "celery_beat_task": True,
-            }
-        )
-        for reserved in ("task_id", "producer", "shadow"):
-            options.pop(reserved, None)
-        task = self.app.tasks.get(claim.task)
-        send = task.apply_async if task is not None else self._send_by_name(claim.task)
-        send(
-            claim.args,
-            claim.kwargs,
-            task_id=claim.run_id,
-            headers=headers,
-            producer=producer,
-            # Flower and worker logs show this name: schedule and occurrence at a glance.
-            shadow=f"{claim.task}[{claim.schedule}@{claim.occurrence.isoformat()}]",
-            **options,
-        )
-
-    def _send_by_name(self, name: str) -> Any:
-        def send(args: Any, kwargs: Any, **options: Any) -> Any:
-            return self.app.send_task(name, args, kwargs, **options)
-
-        return send
-
-    def _producer(self) -> Any:
-        if self._publisher is None:
-            connection = self.app.connection_for_write()
-            try:
-                connection.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.4, interval_max=1)
-            except Exception:
-                connection.release()
-                raise
-            self._publisher = self.Producer(connection, auto_declare=False)
-        return self._publisher
-
-    def _connection_errors(self) -> tuple[type[BaseException], ...]:
-        """What the broker raises when it is away: kombu's own and the transport's."""
-        connection = self._publisher.connection
-        return (BrokerOperationalError, *connection.connection_errors, *connection.channel_errors)
-
-    def _drop_producer(self) -> None:
-        publisher, self._publisher = self._publisher, None
-        if publisher is not None:
-            try:
-                publisher.connection.release()
-            except Exception:  # already broken; nothing more to free
-                logger.debug("beat: error closing the broker connection", exc_info=True)
 
     def _wait(self, probe: Probe) -> float:
         """Seconds until the earliest moment something can be due, capped by the polling
@@ -336,14 +216,11 @@ class LeaseScheduler(Scheduler):
         """Nothing to flush: every change is written when it happens."""
 
     def close(self) -> None:
-        self._drop_producer()
+        if self._dispatcher is not None:
+            self._dispatcher.close()
         if self._store is not None:
             self._store.dispose()
         super().close()
-
-
-class _BrokerUnavailable(Exception):
-    """Publishing failed on a connection error; the claims were released."""
 
 
 @lru_cache(maxsize=4096)
@@ -351,7 +228,3 @@ def _following(spec: Spec, occurrence: datetime, now: datetime) -> datetime:
     """The next occurrence after the one just dispatched (or, when catching up, after now).
     Cached: a burst of schedules with one expression and one occurrence computes it once."""
     return spec.next_after(max(occurrence, now), previous=occurrence)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"

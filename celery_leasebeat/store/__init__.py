@@ -109,6 +109,7 @@ class Store:
         if backend not in _SUPPORTED:
             raise ValueError(f"unsupported database {backend!r}: use PostgreSQL, MySQL/MariaDB or SQLite")
         self.safe_url = self.url.render_as_string(hide_password=True)
+        self.table_prefix = table_prefix
         self.tables: Tables = build_tables(table_prefix, schema)
         self._engine_options = dict(engine_options or {})
         self._engine: Engine | None = None
@@ -245,6 +246,8 @@ class Store:
             "cron": definition.cron,
             "interval_seconds": definition.interval_seconds,
             "timezone": definition.timezone,
+            "grace_seconds": definition.grace_seconds,
+            "max_runtime_seconds": definition.max_runtime_seconds,
             "override_cron": None,
             "enabled": True,
             "origin": "code" if origin else "api",
@@ -266,6 +269,8 @@ class Store:
             "cron": definition.cron,
             "interval_seconds": definition.interval_seconds,
             "timezone": definition.timezone,
+            "grace_seconds": definition.grace_seconds,
+            "max_runtime_seconds": definition.max_runtime_seconds,
             "origin": "code",
         }
         return {key: value for key, value in wanted.items() if getattr(row, key) != value}

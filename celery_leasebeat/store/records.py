@@ -29,9 +29,10 @@ class RunState:
     FAILED = "failed"
     SKIPPED = "skipped"
     LOST = "lost"
+    MISSED = "missed"
 
     STARTABLE = (CLAIMED, DISPATCHED)
-    OUTCOMES = (SUCCEEDED, FAILED, SKIPPED, LOST)
+    OUTCOMES = (SUCCEEDED, FAILED, SKIPPED, LOST, MISSED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,8 @@ class ScheduleDefinition:
     args: list[Any] = field(default_factory=list)
     kwargs: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    grace_seconds: float | None = None
+    max_runtime_seconds: float | None = None
 
     def spec(self, override: str | None = None) -> Spec:
         return spec_for(self.kind, self.cron, self.interval_seconds, self.timezone, override)

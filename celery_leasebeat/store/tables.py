@@ -1,8 +1,9 @@
-"""The two tables, as SQLAlchemy Core ``Table`` objects built in one function.
+"""The tables, as SQLAlchemy Core ``Table`` objects built in one function.
 
 ``schedules`` holds one row per schedule: its definition, when it fires next, what happened
 last, and the lease of the occurrence in flight. ``runs`` is the ledger: one row per claimed
 occurrence, unique on ``(schedule, occurrence)``; its primary key is the Celery task id.
+``replicas`` lists the beat processes and when each last completed a cycle.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class Tables:
     metadata: MetaData
     schedules: Table
     runs: Table
+    replicas: Table
 
 
 def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Tables:
@@ -89,6 +91,11 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         # The operator's override: wins over ``cron`` when set and non-blank.
         Column("override_cron", String(NAME_LENGTH)),
         Column("enabled", Boolean, nullable=False, default=True),
+        # Missed-run detection: an occurrence not claimed within grace_seconds is recorded
+        # missed, one dispatched but not started within it is flagged, and a run longer than
+        # max_runtime_seconds is flagged. Null: no detection.
+        Column("grace_seconds", Float),
+        Column("max_runtime_seconds", Float),
         # Where the row came from: "code" rows follow the registrations and are removed
         # when no longer registered.
         Column("origin", String(16), nullable=False, default="code"),
@@ -130,7 +137,22 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         Column("error", Text),
         # Occurrences dropped after this one because they elapsed before it finished.
         Column("missed_count", Integer, nullable=False, default=0),
+        # Why missed-run detection flagged this run (late start, overrun); null when it did not.
+        Column("alert", Text),
         UniqueConstraint("schedule", "occurrence", name=f"uq_{prefix}runs_occurrence"),
         Index(f"ix_{prefix}runs_finished_at", "finished_at"),
     )
-    return Tables(metadata=metadata, schedules=schedules, runs=runs)
+    replicas = Table(
+        f"{prefix}replicas",
+        metadata,
+        # One row per beat process, refreshed while it runs: what `leasebeat status` shows.
+        Column("name", String(255), primary_key=True),
+        Column("host", String(255), nullable=False),
+        Column("pid", Integer, nullable=False),
+        Column("version", String(32), nullable=False),
+        Column("started_at", UTCDateTime, nullable=False),
+        Column("last_cycle_at", UTCDateTime, nullable=False),
+        Column("claims", Integer, nullable=False, default=0),
+        Index(f"ix_{prefix}replicas_last_cycle_at", "last_cycle_at"),
+    )
+    return Tables(metadata=metadata, schedules=schedules, runs=runs, replicas=replicas)

@@ -1,0 +1,158 @@
+"""Publishing claimed occurrences as Celery tasks: beat's cycle and ``leasebeat trigger``
+share this, so a triggered run takes exactly the path of a scheduled one."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from kombu.exceptions import OperationalError as BrokerOperationalError
+
+from .config import LeaseBeatConfig
+from .recorder import HEADER_OCCURRENCE, HEADER_SCHEDULE, HEADER_TOKEN
+from .store import ClaimedRun, RunState, Store
+
+logger = logging.getLogger("celery_leasebeat.dispatcher")
+
+
+class BrokerUnavailable(Exception):
+    """Publishing failed on a connection error; the unpublished claims were released."""
+
+
+class Dispatcher:
+    """Publishes claims over one producer connection, kept open between batches."""
+
+    def __init__(self, app: Any, store: Store, config: LeaseBeatConfig, producer_class: Any = None) -> None:
+        self.app = app
+        self.store = store
+        self.config = config
+        self._producer_class = producer_class or app.amqp.Producer
+        self._producer: Any = None
+
+    def dispatch(self, claims: list[ClaimedRun], now: datetime) -> list[ClaimedRun]:
+        """Publish *claims* (one claim's batch); return those published.
+
+        An occurrence dispatched ``leasebeat_max_attempts`` times without any outcome is
+        recorded lost instead. On a broker error the rest of the batch is released at once,
+        so the next cycle claims it again, and :class:`BrokerUnavailable` is raised.
+        """
+        to_publish = []
+        for claim in claims:
+            if claim.attempt > self.config.max_attempts:
+                reason = (
+                    f"no outcome after {claim.attempt - 1} dispatches: the run never reported "
+                    f"back (are the workers importing celery_leasebeat?)"
+                )
+                logger.warning("beat: %s recorded as lost: %s", _label(claim), reason)
+                self.store.give_up(claim, now, reason)
+                continue
+            if claim.attempt > 1:
+                logger.warning(
+                    "beat: no outcome arrived for %s within its lease; dispatching it again "
+                    "(attempt %d of %d). Workers record outcomes only when they import celery_leasebeat.",
+                    _label(claim),
+                    claim.attempt,
+                    self.config.max_attempts,
+                )
+            to_publish.append(claim)
+        published, unpublished, broker_error = self._publish(to_publish, now)
+        if published:
+            logger.info(
+                "beat: dispatched %d occurrence(s): %s",
+                len(published),
+                ", ".join(_label(c) for c in published[:5]) + (" ..." if len(published) > 5 else ""),
+            )
+            self.store.mark_dispatched(published[0].lease_token, [c.run_id for c in published])
+        if unpublished:
+            self.store.release(unpublished, f"publish failed: {broker_error}")
+            raise BrokerUnavailable(f"{broker_error}; released {len(unpublished)} claimed occurrence(s) for retry")
+        return published
+
+    def _publish(
+        self, claims: list[ClaimedRun], now: datetime
+    ) -> tuple[list[ClaimedRun], list[ClaimedRun], str | None]:
+        """Publish in order. On a broker error, stop and return the rest as unpublished; a
+        message that cannot be built at all is recorded failed and the schedule advances,
+        so one bad row cannot block the others."""
+        if not claims:
+            return [], [], None
+        try:
+            producer = self._connect()
+        except Exception as exc:
+            self.close()
+            return [], claims, _describe(exc)
+        published: list[ClaimedRun] = []
+        for index, claim in enumerate(claims):
+            try:
+                self._send(claim, producer)
+            except self._connection_errors() as exc:
+                self.close()
+                return published, claims[index:], _describe(exc)
+            except Exception as exc:
+                reason = f"could not be published: {_describe(exc)}"
+                logger.error("beat: %s %s", _label(claim), reason)
+                self.store.give_up(claim, now, reason, outcome=RunState.FAILED)
+                continue
+            published.append(claim)
+        return published, [], None
+
+    def _send(self, claim: ClaimedRun, producer: Any) -> None:
+        options = dict(claim.options)
+        headers = dict(options.pop("headers", None) or {})
+        headers.update(
+            {
+                HEADER_SCHEDULE: claim.schedule,
+                HEADER_OCCURRENCE: claim.occurrence.isoformat(),
+                HEADER_TOKEN: claim.lease_token,
+                "celery_beat_task": True,
+            }
+        )
+        for reserved in ("task_id", "producer", "shadow"):
+            options.pop(reserved, None)
+        arguments = dict(
+            task_id=claim.run_id,
+            headers=headers,
+            producer=producer,
+            # Flower and worker logs show this name: schedule and occurrence at a glance.
+            shadow=f"{claim.task}[{_label(claim)}]",
+            **options,
+        )
+        task = self.app.tasks.get(claim.task)
+        if task is not None:
+            task.apply_async(claim.args, claim.kwargs, **arguments)
+        else:
+            self.app.send_task(claim.task, claim.args, claim.kwargs, **arguments)
+
+    def _connect(self) -> Any:
+        if self._producer is None:
+            connection = self.app.connection_for_write()
+            try:
+                # Bounded: claims are held while this runs, and an outage is beat's back-off's job.
+                connection.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.4, interval_max=1)
+            except Exception:
+                connection.release()
+                raise
+            self._producer = self._producer_class(connection, auto_declare=False)
+        return self._producer
+
+    def _connection_errors(self) -> tuple[type[BaseException], ...]:
+        """What the broker raises when it is away: kombu's own and the transport's."""
+        connection = self._producer.connection
+        return (BrokerOperationalError, *connection.connection_errors, *connection.channel_errors)
+
+    def close(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            try:
+                producer.connection.release()
+            except Exception:  # already broken; nothing more to free
+                logger.debug("beat: error closing the broker connection", exc_info=True)
+
+
+def _label(claim: ClaimedRun) -> str:
+    return f"{claim.schedule}@{claim.occurrence.isoformat()}"
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
