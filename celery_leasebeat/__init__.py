@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__version__ = "0.1.0"  # before the imports: modules below read it
+
 from .config import LeaseBeatConfig
 from .errors import (
     ConfigurationError,
@@ -22,8 +24,6 @@ from .errors import (
 from .recorder import connect_signals
 from .registry import register_schedule
 from .scheduler import LeaseScheduler
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ConfigurationError",

@@ -34,6 +34,10 @@ DEFAULT_BATCH_SIZE = 500
 #: result handler is not installed) must not re-run the job forever.
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_TABLE_PREFIX = "leasebeat_"
+#: The history purge (off unless leasebeat_history_retention_days is set) deletes at most
+#: this many ledger rows per run: a backlog drains over several runs, none of them long.
+DEFAULT_PURGE_BATCH_SIZE = 10_000
+DEFAULT_PURGE_CRON = "17 4 * * *"
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -53,6 +57,14 @@ class LeaseBeatConfig:
     #: table by :func:`celery_leasebeat.set_override` wins over these.
     overrides: dict[str, str] = field(default_factory=dict)
     engine_options: dict[str, Any] = field(default_factory=dict)
+    #: Where beat serves Prometheus metrics; None: not served.
+    metrics_port: int | None = None
+    #: Where a worker's main process serves the metrics of all its pool processes.
+    worker_metrics_port: int | None = None
+    #: Ledger rows finished longer ago than this are purged; None: never (no purge schedule).
+    history_retention_days: float | None = None
+    purge_batch_size: int = DEFAULT_PURGE_BATCH_SIZE
+    purge_cron: str = DEFAULT_PURGE_CRON
 
     @property
     def heartbeat_interval(self) -> float:
@@ -104,17 +116,43 @@ class LeaseBeatConfig:
             schema=schema,
             overrides=dict(overrides),
             engine_options=dict(engine_options),
+            metrics_port=_optional_port("metrics_port", get("metrics_port", None)),
+            worker_metrics_port=_optional_port("worker_metrics_port", get("worker_metrics_port", None)),
+            history_retention_days=(
+                None
+                if get("history_retention_days", None) is None
+                else _positive_number("history_retention_days", get("history_retention_days", None), "days")
+            ),
+            purge_batch_size=_positive_int("purge_batch_size", get("purge_batch_size", DEFAULT_PURGE_BATCH_SIZE)),
+            purge_cron=_cron_text("purge_cron", get("purge_cron", DEFAULT_PURGE_CRON)),
         )
 
 
-def _positive_number(name: str, value: Any) -> float:
+def _positive_number(name: str, value: Any, unit: str = "seconds") -> float:
     try:
         number = float(value)
         if isinstance(value, bool) or not number > 0 or number != number or number == float("inf"):
             raise ValueError
     except (TypeError, ValueError):
-        raise ConfigurationError(f"leasebeat_{name} must be a positive number of seconds, got {value!r}") from None
+        raise ConfigurationError(f"leasebeat_{name} must be a positive number of {unit}, got {value!r}") from None
     return number
+
+
+def _optional_port(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool) or float(value) != int(value) or not 0 < int(value) < 65536:
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigurationError(f"leasebeat_{name} must be a TCP port (1-65535), got {value!r}") from None
+    return int(value)
+
+
+def _cron_text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigurationError(f"leasebeat_{name} must be a cron expression, got {value!r}")
+    return value.strip()
 
 
 def _positive_int(name: str, value: Any) -> int:

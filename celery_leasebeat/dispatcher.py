@@ -4,12 +4,14 @@ share this, so a triggered run takes exactly the path of a scheduled one."""
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime
 from typing import Any
 
 from kombu.exceptions import OperationalError as BrokerOperationalError
 
 from .config import LeaseBeatConfig
+from .metrics import metrics
 from .recorder import HEADER_OCCURRENCE, HEADER_SCHEDULE, HEADER_TOKEN
 from .store import ClaimedRun, RunState, Store
 
@@ -33,25 +35,36 @@ class Dispatcher:
     def dispatch(self, claims: list[ClaimedRun], now: datetime) -> list[ClaimedRun]:
         """Publish *claims* (one claim's batch); return those published.
 
-        An occurrence dispatched ``leasebeat_max_attempts`` times without any outcome is
-        recorded lost instead. On a broker error the rest of the batch is released at once,
-        so the next cycle claims it again, and :class:`BrokerUnavailable` is raised.
+        An occurrence claimed later than its schedule's grace is recorded missed instead, and
+        one dispatched ``leasebeat_max_attempts`` times without any outcome is recorded lost.
+        On a broker error the rest of the batch is released at once, so the next cycle claims
+        it again, and :class:`BrokerUnavailable` is raised.
         """
         to_publish = []
         for claim in claims:
+            late = (now - claim.occurrence).total_seconds()
+            if claim.grace_seconds is not None and claim.attempt == 1 and late > claim.grace_seconds:
+                reason = f"not claimed within its grace of {claim.grace_seconds:g}s (claimed {late:.0f}s late)"
+                logger.warning("beat: %s recorded as missed: %s", claim.label, reason)
+                self.store.give_up(claim, now, reason, outcome=RunState.MISSED)
+                metrics().runs.labels(claim.schedule, RunState.MISSED).inc()
+                metrics().missed.labels(claim.schedule).inc()
+                continue
             if claim.attempt > self.config.max_attempts:
                 reason = (
                     f"no outcome after {claim.attempt - 1} dispatches: the run never reported "
                     f"back (are the workers importing celery_leasebeat?)"
                 )
-                logger.warning("beat: %s recorded as lost: %s", _label(claim), reason)
+                logger.warning("beat: %s recorded as lost: %s", claim.label, reason)
                 self.store.give_up(claim, now, reason)
+                metrics().runs.labels(claim.schedule, RunState.LOST).inc()
                 continue
             if claim.attempt > 1:
+                metrics().lease_expiries.labels(claim.schedule).inc()
                 logger.warning(
                     "beat: no outcome arrived for %s within its lease; dispatching it again "
                     "(attempt %d of %d). Workers record outcomes only when they import celery_leasebeat.",
-                    _label(claim),
+                    claim.label,
                     claim.attempt,
                     self.config.max_attempts,
                 )
@@ -61,7 +74,7 @@ class Dispatcher:
             logger.info(
                 "beat: dispatched %d occurrence(s): %s",
                 len(published),
-                ", ".join(_label(c) for c in published[:5]) + (" ..." if len(published) > 5 else ""),
+                ", ".join(c.label for c in published[:5]) + (" ..." if len(published) > 5 else ""),
             )
             self.store.mark_dispatched(published[0].lease_token, [c.run_id for c in published])
         if unpublished:
@@ -83,6 +96,7 @@ class Dispatcher:
             self.close()
             return [], claims, _describe(exc)
         published: list[ClaimedRun] = []
+        started = time.monotonic()
         for index, claim in enumerate(claims):
             try:
                 self._send(claim, producer)
@@ -91,10 +105,14 @@ class Dispatcher:
                 return published, claims[index:], _describe(exc)
             except Exception as exc:
                 reason = f"could not be published: {_describe(exc)}"
-                logger.error("beat: %s %s", _label(claim), reason)
+                logger.error("beat: %s %s", claim.label, reason)
                 self.store.give_up(claim, now, reason, outcome=RunState.FAILED)
+                metrics().runs.labels(claim.schedule, RunState.FAILED).inc()
                 continue
             published.append(claim)
+            # The publish time on the database clock: the cycle's clock plus time spent since.
+            lag = (now - claim.occurrence).total_seconds() + (time.monotonic() - started)
+            metrics().dispatch_lag.labels(claim.schedule).observe(max(lag, 0.0))
         return published, [], None
 
     def _send(self, claim: ClaimedRun, producer: Any) -> None:
@@ -115,7 +133,7 @@ class Dispatcher:
             headers=headers,
             producer=producer,
             # Flower and worker logs show this name: schedule and occurrence at a glance.
-            shadow=f"{claim.task}[{_label(claim)}]",
+            shadow=f"{claim.task}[{claim.label}]",
             **options,
         )
         task = self.app.tasks.get(claim.task)
@@ -148,10 +166,6 @@ class Dispatcher:
                 producer.connection.release()
             except Exception:  # already broken; nothing more to free
                 logger.debug("beat: error closing the broker connection", exc_info=True)
-
-
-def _label(claim: ClaimedRun) -> str:
-    return f"{claim.schedule}@{claim.occurrence.isoformat()}"
 
 
 def _describe(exc: BaseException) -> str:

@@ -29,3 +29,7 @@ class UnknownSchedule(LeaseBeatError):
 
 class DatabaseUnavailable(LeaseBeatError):
     """The schedule database could not be reached; the operation may be retried."""
+
+
+class DatabaseConflict(DatabaseUnavailable):
+    """The database aborted a transaction to break a deadlock; retry it at once."""

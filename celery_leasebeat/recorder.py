@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from billiard.exceptions import WorkerLostError
@@ -35,6 +35,7 @@ from celery.exceptions import Ignore, Reject, Retry, TimeLimitExceeded
 from .binding import store_for
 from .config import LeaseBeatConfig
 from .errors import DatabaseUnavailable
+from .metrics import mark_process_dead, metrics, prepare_worker_multiprocess, serve_worker_metrics
 from .store import RunState, Store
 
 logger = logging.getLogger("celery_leasebeat.recorder")
@@ -49,6 +50,7 @@ DATABASE_ATTEMPTS = 4
 DATABASE_RETRY_SECONDS = 0.5
 
 T = TypeVar("T")
+UTC = timezone.utc
 
 
 def wrap_tasks(app: Any) -> list[Any]:
@@ -70,13 +72,21 @@ def _wrap(task: Any) -> None:
         request = task.request
         headers = getattr(request, "headers", None) or {}
         token = headers.get(HEADER_TOKEN) or getattr(request, HEADER_TOKEN, None)
-        if not token:
+        if not token or getattr(_running, "active", False):
+            # An ordinary message, or a scheduled task calling its own run(): just the body.
             return original(*args, **kwargs)
-        return _run_occurrence(task, request, headers, token, original, args, kwargs)
+        _running.active = True
+        try:
+            return _run_occurrence(task, request, headers, token, original, args, kwargs)
+        finally:
+            _running.active = False
 
     # An instance attribute: the tracer calls task.run (or task.__call__, which calls it).
     task.run = run
     task._leasebeat_wrapped = True
+
+
+_running = threading.local()
 
 
 def _header(request: Any, headers: dict[str, Any], name: str) -> Any:
@@ -107,7 +117,9 @@ def _run_occurrence(
                 token=token,
                 worker=request.hostname or os.uname().nodename,
                 lease_seconds=config.lease_seconds,
-            )
+                retries=request.retries or 0,
+            ),
+            DATABASE_ATTEMPTS,
         )
     except DatabaseUnavailable as exc:
         logger.error("leasebeat: cannot start %s (task %s): %s; it will be dispatched again", label, run_id, exc)
@@ -117,12 +129,13 @@ def _run_occurrence(
         raise Ignore()
 
     heartbeat.add(store, config, schedule, token)
+    metrics().start_lag.labels(schedule).observe(max((datetime.now(UTC) - occurrence).total_seconds(), 0.0))
     started = time.monotonic()
-    outcome, error = RunState.SUCCEEDED, None
+    outcome, error, retry_in = RunState.SUCCEEDED, None, 0.0
     try:
         return body(*args, **kwargs)
-    except Retry:
-        outcome = "retry"
+    except Retry as exc:
+        outcome, retry_in = _RETRY, _seconds_until(exc.when)
         raise
     except (Ignore, Reject):
         outcome = RunState.SKIPPED
@@ -134,14 +147,39 @@ def _run_occurrence(
         outcome = ""  # the process is going away: leave the lease to expire and re-dispatch
         raise
     finally:
-        heartbeat.discard(schedule, token)
         duration_ms = int((time.monotonic() - started) * 1000)
-        if outcome:
-            _record(store, outcome, schedule, run_id, token, occurrence, duration_ms, error, label)
+        try:
+            if outcome == _RETRY:
+                # The retried message (same token, higher retry count) may run anywhere later:
+                # hold the lease until then instead of heartbeating it from here.
+                _retrying(
+                    lambda: store.hold_lease(schedule=schedule, token=token, seconds=retry_in + config.lease_seconds),
+                    DATABASE_ATTEMPTS,
+                )
+            elif outcome:
+                _record(store, config, outcome, schedule, run_id, token, occurrence, duration_ms, error)
+        except DatabaseUnavailable as exc:
+            logger.error("leasebeat: could not record %s of %s: %s; the lease will expire", outcome, label, exc)
+        finally:
+            heartbeat.discard(schedule, token)
+
+
+_RETRY = "retry"
+
+
+def _seconds_until(when: Any) -> float:
+    if isinstance(when, datetime):
+        moment = when if when.tzinfo else when.replace(tzinfo=UTC)
+        return max((moment - datetime.now(UTC)).total_seconds(), 0.0)
+    try:
+        return max(float(when or 0), 0.0)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _record(
     store: Store,
+    config: LeaseBeatConfig,
     outcome: str,
     schedule: str,
     run_id: str,
@@ -149,36 +187,38 @@ def _record(
     occurrence: datetime,
     duration_ms: int,
     error: str | None,
-    label: str,
 ) -> None:
-    try:
-        if outcome == "retry":
-            _retrying(lambda: store.defer_run(run_id=run_id, token=token))
-        else:
-            _retrying(
-                lambda: store.finish_run(
-                    schedule=schedule,
-                    run_id=run_id,
-                    token=token,
-                    occurrence=occurrence,
-                    outcome=outcome,
-                    duration_ms=duration_ms,
-                    error=error,
-                )
-            )
-    except DatabaseUnavailable as exc:
-        logger.error("leasebeat: could not record %s of %s: %s; the lease will expire", outcome, label, exc)
+    """Record the outcome. The lease is still heartbeated meanwhile, so a database blip
+    shorter than about half a lease costs nothing: the write is retried until it lands."""
+    attempts = max(DATABASE_ATTEMPTS, int(config.lease_seconds / 2 / DATABASE_RETRY_SECONDS))
+    finished = _retrying(
+        lambda: store.finish_run(
+            schedule=schedule,
+            run_id=run_id,
+            token=token,
+            occurrence=occurrence,
+            outcome=outcome,
+            duration_ms=duration_ms,
+            error=error,
+        ),
+        attempts,
+    )
+    if finished:
+        metrics().runs.labels(schedule, outcome).inc()
+        metrics().run_duration.labels(schedule).observe(duration_ms / 1000)
+        if finished.missed:
+            metrics().missed.labels(schedule).inc(finished.missed)
 
 
-def _retrying(operation: Callable[[], T]) -> T:
-    for attempt in range(1, DATABASE_ATTEMPTS + 1):
+def _retrying(operation: Callable[[], T], attempts: int) -> T:
+    for attempt in range(1, attempts + 1):
         try:
             return operation()
         except DatabaseUnavailable as exc:
-            if attempt == DATABASE_ATTEMPTS:
+            if attempt == attempts:
                 raise
-            logger.warning("leasebeat: %s; retrying (%d of %d)", exc, attempt, DATABASE_ATTEMPTS - 1)
-            time.sleep(DATABASE_RETRY_SECONDS * attempt)
+            logger.warning("leasebeat: %s; retrying (%d of %d)", exc, attempt, attempts - 1)
+            time.sleep(min(DATABASE_RETRY_SECONDS * attempt, 2.0))
     raise AssertionError("unreachable")
 
 
@@ -230,10 +270,24 @@ class _Heartbeat:
 heartbeat = _Heartbeat()
 
 
+_worker_name: dict[str, str] = {}
+
+
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
-    if app is not None:
-        wrap_tasks(app)
+    if app is None:
+        return
+    _worker_name["name"] = getattr(sender, "hostname", None) or os.uname().nodename
+    wrap_tasks(app)
+    port = LeaseBeatConfig.from_app(app).worker_metrics_port
+    if port is not None:
+        folder = prepare_worker_multiprocess()  # before the pool forks and before any metric exists
+        serve_worker_metrics(port)
+        logger.info("leasebeat: serving the worker's Prometheus metrics on port %d (%s)", port, folder)
+
+
+def _on_worker_process_shutdown(pid: int | None = None, **_: Any) -> None:
+    mark_process_dead(pid or os.getpid())
 
 
 def _on_worker_process_init(**_: Any) -> None:
@@ -250,11 +304,22 @@ def _on_worker_process_init(**_: Any) -> None:
 
 
 def _on_task_failure(sender: Any = None, task_id: str | None = None, exception: Any = None, **_: Any) -> None:
-    """A pool child died under a task: only the main process hears of it."""
+    """A pool child died under a task: only the main process hears of it. The dying
+    delivery's request (and so its token) is on the task's request stack for a lost worker;
+    for a hard time limit only this worker's name identifies it."""
     if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)) or sender is None or task_id is None:
         return
+    request = sender.request
+    token = None
+    if getattr(request, "id", None) == task_id:
+        token = _header(request, getattr(request, "headers", None) or {}, HEADER_TOKEN)
     try:
-        store_for(sender.app).fail_run(run_id=task_id, error=f"{type(exception).__name__}: {exception}")
+        store_for(sender.app).fail_run(
+            run_id=task_id,
+            error=f"{type(exception).__name__}: {exception}",
+            token=token,
+            worker=None if token else _worker_name.get("name", os.uname().nodename),
+        )
     except Exception as exc:
         logger.error("leasebeat: could not record the failure of task %s: %s", task_id, exc)
 
@@ -266,3 +331,6 @@ def connect_signals() -> None:
         _on_worker_process_init, weak=False, dispatch_uid="leasebeat-worker-process-init"
     )
     signals.task_failure.connect(_on_task_failure, weak=False, dispatch_uid="leasebeat-task-failure")
+    signals.worker_process_shutdown.connect(
+        _on_worker_process_shutdown, weak=False, dispatch_uid="leasebeat-worker-process-shutdown"
+    )

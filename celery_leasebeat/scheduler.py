@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import lru_cache
@@ -18,12 +19,14 @@ from typing import Any
 
 from celery.beat import Scheduler
 
+from . import __version__
 from .binding import store_for
 from .config import LeaseBeatConfig
 from .dispatcher import BrokerUnavailable, Dispatcher
-from .errors import DatabaseUnavailable, InvalidSchedule
+from .errors import DatabaseConflict, DatabaseUnavailable, InvalidSchedule
+from .metrics import metrics, serve_beat_metrics
 from .registry import collect_definitions, registrations
-from .store import Probe, Store
+from .store import Probe, RunState, Store
 from .timing import Spec
 
 logger = logging.getLogger("celery_leasebeat.scheduler")
@@ -38,13 +41,17 @@ FIRST_BACKOFF_SECONDS = 1.0
 #: After a claim found nothing although the probe saw a due row (another replica took it
 #: between the two statements), look again almost at once.
 CONTENDED_RETRY_SECONDS = 0.05
+#: How often a replica refreshes its row in the replicas table and runs missed-run
+#: detection: rarely enough to cost nothing per cycle, often enough for `leasebeat status`.
+HOUSEKEEPING_SECONDS = 10.0
+#: How often the registrations are upserted again although nothing changed in this process.
+RESYNC_SECONDS = 300.0
 
 
 @dataclass
 class _InFlight:
     token: str
     following: datetime
-    lease_until: datetime
 
 
 class LeaseScheduler(Scheduler):
@@ -62,6 +69,11 @@ class LeaseScheduler(Scheduler):
         self._failures = 0
         self._inflight: dict[str, _InFlight] = {}
         self._dispatcher: Dispatcher | None = None
+        self._claims = 0
+        self._empty_claims = 0
+        self._ever_synced = False
+        self._resync_due = 0.0
+        self._housekeeping_due = 0.0
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         super().__init__(app, *args, **kwargs)
 
@@ -76,6 +88,9 @@ class LeaseScheduler(Scheduler):
         self._check_tasks()
         self._store = store_for(self.app)
         self._dispatcher = Dispatcher(self.app, self._store, self._config, self.Producer)
+        if self._config.metrics_port is not None:
+            serve_beat_metrics(self._config.metrics_port)
+            logger.info("beat: serving Prometheus metrics on port %d", self._config.metrics_port)
         logger.info(
             "beat: leasebeat using %s with %d schedule(s), lease %ss, polling %ss, replica %s",
             self._store.safe_url,
@@ -119,17 +134,38 @@ class LeaseScheduler(Scheduler):
         """One cycle; returns the seconds to sleep. A database or broker outage is logged and
         retried with back-off, never raised: beat keeps running."""
         assert self._config is not None and self._store is not None
+        started = time.monotonic()
         try:
             self._sync_if_needed()
             wait = self._cycle()
+            if started >= self._housekeeping_due:
+                self._housekeeping()
+                self._housekeeping_due = started + HOUSEKEEPING_SECONDS
+        except DatabaseConflict as exc:
+            logger.info("beat: %s; retrying the cycle", exc)  # a deadlock victim: not an outage
+            return CONTENDED_RETRY_SECONDS
         except DatabaseUnavailable as exc:
             return self._back_off(f"beat: {exc}")
         except BrokerUnavailable as exc:
             return self._back_off(f"beat: broker unavailable: {exc}")
+        finally:
+            metrics().cycle.observe(time.monotonic() - started)
         if self._failures:
             logger.info("beat: database and broker reachable again")
             self._failures = 0
         return wait
+
+    def _housekeeping(self) -> None:
+        """Refresh this replica's row (for `leasebeat status`) and flag runs in flight that
+        missed-run detection finds late or overrunning."""
+        assert self._store is not None
+        self._store.heartbeat_replica(
+            name=self.owner, host=socket.gethostname(), pid=os.getpid(), version=__version__, claims=self._claims
+        )
+        for run, reason in self._store.flag_overdue():
+            kind = "overrun" if run["state"] == RunState.STARTED else "late_start"
+            metrics().alerts.labels(run["schedule"], kind).inc()
+            logger.warning("beat: %s@%s %s", run["schedule"], run["occurrence"].isoformat(), reason)
 
     def _back_off(self, message: str) -> float:
         assert self._config is not None and self._store is not None
@@ -142,14 +178,24 @@ class LeaseScheduler(Scheduler):
         return delay
 
     def _sync_if_needed(self) -> None:
+        """Upsert the registrations at start, when one is added at run time, after a database
+        outage, and every RESYNC_SECONDS (which restores a row another replica removed).
+
+        Rows no longer registered are removed only by the first sync of a replica, and never
+        while leased: during a rolling deploy an old replica that restarts may remove what
+        only the new code registers, and the new replicas put it back within RESYNC_SECONDS.
+        """
         assert self._store is not None and self._config is not None
         registry = registrations(self.app)
-        if self._synced_version == registry.version:
+        now = time.monotonic()
+        if self._synced_version == registry.version and now < self._resync_due:
             return
-        if self._synced_version is not None:  # registered after start: validate again
-            self._definitions = collect_definitions(self.app, self._config)
-        report = self._store.sync(self._definitions, remove_missing=True)
+        if self._synced_version is not None and self._synced_version != registry.version:
+            self._definitions = collect_definitions(self.app, self._config)  # registered after start
+        report = self._store.sync(self._definitions, remove_missing=not self._ever_synced)
         self._synced_version = registry.version
+        self._ever_synced = True
+        self._resync_due = now + RESYNC_SECONDS
         for label, names in (
             ("added", report.inserted),
             ("retimed", report.retimed),
@@ -170,11 +216,17 @@ class LeaseScheduler(Scheduler):
                 owner=self.owner,
             )
             if not claims:
-                return CONTENDED_RETRY_SECONDS
+                # Another replica took them, or holds their rows locked mid-claim: look again
+                # soon, backing off while that lasts instead of spinning.
+                self._empty_claims += 1
+                return min(CONTENDED_RETRY_SECONDS * 2 ** (self._empty_claims - 1), 1.0)
+            self._empty_claims = 0
+            self._claims += len(claims)
+            metrics().claims.inc(len(claims))
             assert self._dispatcher is not None
             for claim in self._dispatcher.dispatch(claims, probe.now):
                 self._inflight[claim.schedule] = _InFlight(
-                    claim.lease_token, _following(claim.spec, claim.occurrence, probe.now), claim.lease_until
+                    claim.lease_token, _following(claim.spec, claim.occurrence, probe.now)
                 )
             # More may be due (a full batch) and the wait must be computed from a fresh
             # probe that sees what this cycle changed: tick again at once.
@@ -191,9 +243,7 @@ class LeaseScheduler(Scheduler):
         candidates = [t for t in (probe.next_due, probe.next_expiry) if t is not None]
         overdue = []
         for name, flight in list(self._inflight.items()):
-            if flight.lease_until <= now:
-                del self._inflight[name]  # the probe's lease expiry covers it from here on
-            elif flight.following > now:
+            if flight.following > now:
                 candidates.append(flight.following)
             else:
                 overdue.append((name, flight.token))
@@ -218,6 +268,11 @@ class LeaseScheduler(Scheduler):
     def close(self) -> None:
         if self._dispatcher is not None:
             self._dispatcher.close()
+        if self._store is not None and self._store._engine is not None:
+            try:
+                self._store.remove_replica(self.owner)
+            except DatabaseUnavailable as exc:
+                logger.warning("beat: could not remove this replica's row: %s", exc)
         if self._store is not None:
             self._store.dispose()
         super().close()

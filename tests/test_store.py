@@ -166,7 +166,7 @@ def test_fenced_outcome_with_a_stale_token_changes_nothing(store: Store) -> None
         outcome=RunState.SUCCEEDED,
         duration_ms=5,
     )
-    assert applied is False
+    assert not applied
     assert store.get_schedule("a") == before
     assert store.list_runs()[0]["state"] == RunState.CLAIMED
 

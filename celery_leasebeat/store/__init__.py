@@ -32,7 +32,7 @@ from sqlalchemy import Connection, and_, case, create_engine, delete, event, or_
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError, ProgrammingError
 
-from ..errors import DatabaseUnavailable, UnknownSchedule
+from ..errors import DatabaseConflict, DatabaseUnavailable, UnknownSchedule
 from ..timing import Spec, occurrences_between
 from .dialects import (
     claim_statement,
@@ -42,6 +42,7 @@ from .dialects import (
 )
 from .records import (
     ClaimedRun,
+    Finished,
     Probe,
     RunState,
     ScheduleDefinition,
@@ -54,6 +55,7 @@ from .tables import Tables, build_tables
 
 __all__ = [
     "ClaimedRun",
+    "Finished",
     "Probe",
     "RunState",
     "ScheduleDefinition",
@@ -86,6 +88,8 @@ def _translate_errors(method: F) -> F:
         except (IntegrityError, ProgrammingError):
             raise
         except DBAPIError as exc:
+            if _is_deadlock(exc):
+                raise DatabaseConflict(f"database {self.safe_url}: {_first_line(exc.orig or exc)}") from exc
             if not (isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated):
                 raise
             raise DatabaseUnavailable(f"database {self.safe_url} unavailable: {_first_line(exc.orig or exc)}") from exc
@@ -184,7 +188,8 @@ class Store:
         effective timing (override, or else the definition's expression) changed is retimed
         from now; a row where only the task, arguments or options changed keeps its
         ``next_run_at``; an unchanged row is not written. With *remove_missing*, rows that
-        came from code and are no longer defined are deleted (their ledger stays).
+        came from code, are no longer defined and hold no live lease are deleted (their
+        ledger stays).
         """
         s = self.tables.schedules
         report = SyncReport()
@@ -219,15 +224,13 @@ class Store:
             if new_rows:
                 connection.execute(insert_ignoring_duplicates(self.engine, s), new_rows)
             if remove_missing:
-                stale = (
-                    connection.execute(
-                        select(s.c.name).where(s.c.origin == "code", s.c.name.not_in(names))
-                        if names
-                        else select(s.c.name).where(s.c.origin == "code")
-                    )
-                    .scalars()
-                    .all()
+                # Never a row whose occurrence is in flight: its run must be able to finish.
+                unregistered = select(s.c.name).where(
+                    s.c.origin == "code", or_(s.c.lease_until.is_(None), s.c.lease_until < now)
                 )
+                if names:
+                    unregistered = unregistered.where(s.c.name.not_in(names))
+                stale = connection.execute(unregistered).scalars().all()
                 if stale:
                     connection.execute(delete(s).where(s.c.name.in_(stale)))
                     report.removed.extend(stale)
@@ -346,9 +349,12 @@ class Store:
         return Probe(now=row.now, next_due=row.next_due, next_expiry=row.next_expiry)
 
     @_translate_errors
-    def claim(self, now: datetime, *, limit: int, lease_seconds: float, owner: str) -> list[ClaimedRun]:
+    def claim(
+        self, now: datetime, *, limit: int, lease_seconds: float, owner: str, names: Sequence[str] | None = None
+    ) -> list[ClaimedRun]:
         """Lease up to *limit* occurrences due at *now* (the cycle's database clock) and
-        write their ledger rows; return them earliest first."""
+        write their ledger rows; return them earliest first. *names* restricts the claim to
+        those schedules (a manual trigger)."""
         s, r = self.tables.schedules, self.tables.runs
         token = uuid.uuid4().hex
         lease_until = now + timedelta(seconds=lease_seconds)
@@ -360,7 +366,8 @@ class Store:
             ("lease_owner", owner),
         ]
         with self._transaction() as connection:
-            result = connection.execute(claim_statement(self.engine, s, self._due(now), values, limit))
+            due = self._due(now) if names is None else and_(self._due(now), s.c.name.in_(list(names)))
+            result = connection.execute(claim_statement(self.engine, s, due, values, limit))
             if not result.rowcount:
                 return []
             rows = connection.execute(select(s).where(s.c.lease_token == token).order_by(s.c.next_run_at)).all()
@@ -377,6 +384,7 @@ class Store:
                     kwargs=dict(row.kwargs or {}),
                     options=dict(row.options or {}),
                     spec=spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron),
+                    grace_seconds=row.grace_seconds,
                 )
                 for row in rows
             ]
@@ -393,6 +401,7 @@ class Store:
                     "dispatched_at": None,
                     "started_at": None,
                     "worker": None,
+                    "retries": None,
                     "error": None,
                     "missed_count": 0,
                 }
@@ -412,6 +421,7 @@ class Store:
                         "dispatched_at",
                         "started_at",
                         "worker",
+                        "retries",
                         "error",
                     ],
                 )
@@ -505,10 +515,13 @@ class Store:
     # -- the worker side -----------------------------------------------------------------
 
     @_translate_errors
-    def start_run(self, *, schedule: str, run_id: str, token: str, worker: str, lease_seconds: float) -> StartDecision:
+    def start_run(
+        self, *, schedule: str, run_id: str, token: str, worker: str, lease_seconds: float, retries: int = 0
+    ) -> StartDecision:
         """Mark a delivered occurrence started, extending its lease, if this delivery may
-        run: its token must still hold the lease (else a newer claim owns the occurrence)
-        and its ledger row must not have started already (else this is a redelivery)."""
+        run: its token must still hold the lease (else a newer claim owns the occurrence),
+        the run must not have finished, and no delivery with the same Celery retry count may
+        have started it (else this is a redelivery; a task's own retry counts higher)."""
         s, r = self.tables.schedules, self.tables.runs
         with self._transaction() as connection:
             now = self._now(connection)
@@ -524,9 +537,10 @@ class Store:
                     .where(
                         r.c.id == run_id,
                         r.c.lease_token == token,
-                        r.c.state.in_(RunState.STARTABLE),
+                        r.c.state.in_([*RunState.STARTABLE, RunState.STARTED]),
+                        or_(r.c.retries.is_(None), r.c.retries < retries),
                     )
-                    .values(state=RunState.STARTED, started_at=now, worker=worker)
+                    .values(state=RunState.STARTED, started_at=now, worker=worker, retries=retries)
                 ).rowcount
             if started:
                 return StartDecision(run=True)
@@ -573,7 +587,7 @@ class Store:
         outcome: str,
         duration_ms: int,
         error: str | None = None,
-    ) -> bool:
+    ) -> Finished:
         """Record the outcome of a run, advance the schedule to its next occurrence and
         release the lease, all fenced by *token*. Occurrences that elapsed while the run
         was in flight (or while nothing ran) are dropped and counted on the ledger row."""
@@ -592,7 +606,7 @@ class Store:
                     schedule,
                     occurrence.isoformat(),
                 )
-                return False
+                return Finished(applied=False)
             spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron)
             next_run_at, missed = advance(spec, occurrence, now)
             connection.execute(
@@ -633,34 +647,40 @@ class Store:
                 occurrence.isoformat(),
                 next_run_at.isoformat(),
             )
-        return True
+        return Finished(applied=True, missed=missed, next_run_at=next_run_at)
 
     @_translate_errors
-    def defer_run(self, *, run_id: str, token: str) -> bool:
-        """The task asked Celery to retry it: the retried message carries the same token,
-        so make the run startable again while the lease stays held (fenced)."""
-        r = self.tables.runs
+    def hold_lease(self, *, schedule: str, token: str, seconds: float) -> bool:
+        """Keep a lease for *seconds* from now while no process runs the occurrence (the
+        task asked Celery to retry it later: the retried message carries the same token)."""
+        s = self.tables.schedules
         with self._transaction() as connection:
+            until = self._now(connection) + timedelta(seconds=seconds)
             return bool(
                 connection.execute(
-                    r.update()
-                    .where(r.c.id == run_id, r.c.lease_token == token, r.c.state == RunState.STARTED)
-                    .values(state=RunState.DISPATCHED)
+                    s.update().where(s.c.name == schedule, s.c.lease_token == token).values(lease_until=until)
                 ).rowcount
             )
 
     @_translate_errors
-    def fail_run(self, *, run_id: str, error: str) -> bool:
-        """Record a started run as failed when only its id is known (its process died)."""
+    def fail_run(self, *, run_id: str, error: str, token: str | None = None, worker: str | None = None) -> Finished:
+        """Record a started run as failed when its process died under it. The dying delivery
+        is identified by its lease *token* when known, else by the *worker* that started it:
+        a newer claim of the same occurrence (same run id) is never touched."""
         r = self.tables.runs
+        query = select(r.c.schedule, r.c.occurrence, r.c.lease_token, r.c.started_at).where(
+            r.c.id == run_id, r.c.state == RunState.STARTED
+        )
+        if token is not None:
+            query = query.where(r.c.lease_token == token)
+        elif worker is not None:
+            query = query.where(r.c.worker == worker)
+        else:
+            raise ValueError("fail_run needs the token or the worker of the dying delivery")
         with self._transaction() as connection:
-            row = connection.execute(
-                select(r.c.schedule, r.c.occurrence, r.c.lease_token, r.c.started_at).where(
-                    r.c.id == run_id, r.c.state == RunState.STARTED
-                )
-            ).one_or_none()
+            row = connection.execute(query).one_or_none()
             if row is None:
-                return False
+                return Finished(applied=False)
             now = self._now(connection)
         duration_ms = int((now - row.started_at).total_seconds() * 1000) if row.started_at else 0
         return self.finish_run(
@@ -691,13 +711,141 @@ class Store:
             return [dict(row._mapping) for row in connection.execute(select(s).order_by(s.c.name))]
 
     @_translate_errors
-    def list_runs(self, schedule: str | None = None) -> list[dict[str, Any]]:
+    def list_runs(
+        self,
+        schedule: str | None = None,
+        *,
+        since: datetime | None = None,
+        states: Sequence[str] | None = None,
+        limit: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Ledger rows, oldest occurrence first; with *limit*, the newest *limit* of them."""
         r = self.tables.runs
-        query = select(r).order_by(r.c.occurrence, r.c.schedule)
+        query = select(r)
         if schedule is not None:
             query = query.where(r.c.schedule == schedule)
+        if since is not None:
+            query = query.where(r.c.occurrence >= since)
+        if states:
+            query = query.where(r.c.state.in_(list(states)))
+        if limit is not None:
+            query = query.order_by(r.c.occurrence.desc(), r.c.schedule).limit(limit)
+        else:
+            query = query.order_by(r.c.occurrence, r.c.schedule)
         with self._transaction() as connection:
-            return [dict(row._mapping) for row in connection.execute(query)]
+            rows = [dict(row._mapping) for row in connection.execute(query)]
+        return rows[::-1] if limit is not None else rows
+
+    # -- operators -----------------------------------------------------------------------
+
+    @_translate_errors
+    def make_due(self, name: str) -> tuple[datetime, datetime | None]:
+        """Make schedule *name* due now (a manual trigger), unless a run holds its lease.
+
+        Returns (now, lease_until): ``lease_until`` is None when the schedule was made due,
+        else the expiry of the lease that prevented it.
+        """
+        s = self.tables.schedules
+        with self._transaction() as connection:
+            now = self._now(connection)
+            row = connection.execute(select(s.c.lease_until).where(s.c.name == name)).one_or_none()
+            if row is None:
+                raise UnknownSchedule(f"no schedule named {name!r}")
+            changed = connection.execute(
+                s.update()
+                .where(s.c.name == name, or_(s.c.lease_until.is_(None), s.c.lease_until < now))
+                .values(next_run_at=now, updated_at=now)
+            ).rowcount
+        return now, None if changed else row.lease_until
+
+    @_translate_errors
+    def resume(self, name: str, *, skip_missed: bool = False) -> datetime:
+        """Enable a paused schedule. An occurrence missed while paused runs once, at once;
+        with *skip_missed* it is dropped and the schedule waits for its next occurrence."""
+        s = self.tables.schedules
+        with self._transaction() as connection:
+            now = self._now(connection)
+            row = connection.execute(select(s).where(s.c.name == name)).one_or_none()
+            if row is None:
+                raise UnknownSchedule(f"no schedule named {name!r}")
+            next_run_at: datetime = row.next_run_at
+            if skip_missed and next_run_at <= now:
+                spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron)
+                next_run_at = spec.next_after(now, previous=next_run_at)
+            connection.execute(
+                s.update()
+                .where(s.c.name == name)
+                .values(enabled=True, next_run_at=next_run_at, updated_at=now, version=s.c.version + 1)
+            )
+        return next_run_at
+
+    @_translate_errors
+    def flag_overdue(self) -> list[tuple[dict[str, Any], str]]:
+        """Missed-run detection for runs in flight: flag those dispatched but not started
+        within their schedule's grace, and those running past its maximum runtime. Each run
+        is flagged once (its ``alert`` records why); returns the newly flagged with reasons."""
+        s, r = self.tables.schedules, self.tables.runs
+        query = (
+            select(r, s.c.grace_seconds, s.c.max_runtime_seconds)
+            .join(s, s.c.name == r.c.schedule)
+            .where(
+                r.c.state.in_([RunState.CLAIMED, RunState.DISPATCHED, RunState.STARTED]),
+                r.c.alert.is_(None),
+                or_(s.c.grace_seconds.is_not(None), s.c.max_runtime_seconds.is_not(None)),
+            )
+        )
+        flagged: list[tuple[dict[str, Any], str]] = []
+        with self._transaction() as connection:
+            now = self._now(connection)
+            for row in connection.execute(query).all():
+                reason = _overdue_reason(row, now)
+                if reason is None:
+                    continue
+                connection.execute(r.update().where(r.c.id == row.id, r.c.alert.is_(None)).values(alert=reason))
+                flagged.append((dict(row._mapping), reason))
+        return flagged
+
+    # -- beat replicas ---------------------------------------------------------------------
+
+    @_translate_errors
+    def heartbeat_replica(self, *, name: str, host: str, pid: int, version: str, claims: int) -> None:
+        """Record that beat replica *name* completed a cycle (and its claims so far)."""
+        p = self.tables.replicas
+        with self._transaction() as connection:
+            now = self._now(connection)
+            updated = connection.execute(
+                p.update().where(p.c.name == name).values(last_cycle_at=now, claims=claims)
+            ).rowcount
+            if not updated:
+                connection.execute(
+                    insert_ignoring_duplicates(self.engine, p),
+                    [
+                        {
+                            "name": name,
+                            "host": host,
+                            "pid": pid,
+                            "version": version,
+                            "started_at": now,
+                            "last_cycle_at": now,
+                            "claims": claims,
+                        }
+                    ],
+                )
+
+    @_translate_errors
+    def remove_replica(self, name: str) -> None:
+        p = self.tables.replicas
+        with self._transaction() as connection:
+            connection.execute(delete(p).where(p.c.name == name))
+
+    @_translate_errors
+    def list_replicas(self) -> tuple[datetime, list[dict[str, Any]]]:
+        """The database clock and every replica row, most recently active first."""
+        p = self.tables.replicas
+        with self._transaction() as connection:
+            now = self._now(connection)
+            rows = connection.execute(select(p).order_by(p.c.last_cycle_at.desc())).all()
+        return now, [dict(row._mapping) for row in rows]
 
 
 def advance(spec: Spec, occurrence: datetime, now: datetime) -> tuple[datetime, int]:
@@ -708,6 +856,20 @@ def advance(spec: Spec, occurrence: datetime, now: datetime) -> tuple[datetime, 
         return following, 0
     missed = occurrences_between(spec, occurrence, now, MAX_MISSED_COUNT)
     return spec.next_after(now, previous=occurrence), missed
+
+
+def _overdue_reason(run: Any, now: datetime) -> str | None:
+    if run.state == RunState.STARTED:
+        if run.max_runtime_seconds is not None and run.started_at is not None:
+            running = (now - run.started_at).total_seconds()
+            if running > run.max_runtime_seconds:
+                return f"running for {running:.0f}s, past its maximum runtime of {run.max_runtime_seconds:g}s"
+        return None
+    if run.grace_seconds is not None:
+        waiting = (now - (run.dispatched_at or run.claimed_at or run.occurrence)).total_seconds()
+        if waiting > run.grace_seconds:
+            return f"dispatched {waiting:.0f}s ago and not started within its grace of {run.grace_seconds:g}s"
+    return None
 
 
 def _by_token(claims: Sequence[ClaimedRun]) -> dict[str, list[ClaimedRun]]:
@@ -733,6 +895,19 @@ def _make_sqlite_concurrent(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+# InnoDB's deadlock (1213) and lock-wait timeout (1205); PostgreSQL's deadlock_detected.
+_MYSQL_CONFLICTS = (1205, 1213)
+_POSTGRES_CONFLICTS = ("40P01",)
+
+
+def _is_deadlock(exc: DBAPIError) -> bool:
+    original = exc.orig
+    if getattr(original, "sqlstate", None) in _POSTGRES_CONFLICTS:
+        return True
+    args: tuple[Any, ...] = getattr(original, "args", ())
+    return bool(args) and args[0] in _MYSQL_CONFLICTS
 
 
 def _first_line(exc: BaseException) -> str:

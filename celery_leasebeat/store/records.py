@@ -99,6 +99,11 @@ class ClaimedRun:
     kwargs: dict[str, Any]
     options: dict[str, Any]
     spec: Spec
+    grace_seconds: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.schedule}@{self.occurrence.isoformat()}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +113,19 @@ class StartDecision:
     run: bool
     reason: str = ""
     state: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished:
+    """What recording an outcome did: nothing (a stale token), or applied it, dropping
+    *missed* elapsed occurrences and setting the next run time."""
+
+    applied: bool
+    missed: int = 0
+    next_run_at: datetime | None = None
+
+    def __bool__(self) -> bool:
+        return self.applied
 
 
 @dataclass(frozen=True, kw_only=True)

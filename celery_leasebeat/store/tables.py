@@ -134,6 +134,9 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         Column("finished_at", UTCDateTime),
         Column("duration_ms", Integer),
         Column("worker", String(255)),
+        # Celery's retry count of the delivery that started this claim; null: not started.
+        # A delivery may start only with a higher count (a retry), never the same (a redelivery).
+        Column("retries", Integer),
         Column("error", Text),
         # Occurrences dropped after this one because they elapsed before it finished.
         Column("missed_count", Integer, nullable=False, default=0),
@@ -141,6 +144,7 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         Column("alert", Text),
         UniqueConstraint("schedule", "occurrence", name=f"uq_{prefix}runs_occurrence"),
         Index(f"ix_{prefix}runs_finished_at", "finished_at"),
+        Index(f"ix_{prefix}runs_state", "state"),
     )
     replicas = Table(
         f"{prefix}replicas",

@@ -69,6 +69,7 @@ def upgrade(prefix: str, schema: str | None) -> None:
         sa.Column("finished_at", UTCDateTime),
         sa.Column("duration_ms", sa.Integer),
         sa.Column("worker", sa.String(255)),
+        sa.Column("retries", sa.Integer),
         sa.Column("error", sa.Text),
         sa.Column("missed_count", sa.Integer, nullable=False),
         sa.Column("alert", sa.Text),
@@ -76,6 +77,7 @@ def upgrade(prefix: str, schema: str | None) -> None:
         schema=schema,
     )
     op.create_index(f"ix_{prefix}runs_finished_at", f"{prefix}runs", ["finished_at"], schema=schema)
+    op.create_index(f"ix_{prefix}runs_state", f"{prefix}runs", ["state"], schema=schema)
     op.create_table(
         f"{prefix}replicas",
         sa.Column("name", sa.String(255), primary_key=True),
