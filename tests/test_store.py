@@ -368,3 +368,109 @@ def test_a_worker_on_another_database_is_told_so(store: Store) -> None:
     store.sync([every_minute("a")])
     decision = store.start_run(schedule="elsewhere", run_id="r", token="t", worker="w", lease_seconds=5)
     assert not decision.run and "leasebeat_database_url" in decision.reason
+
+
+def _claimed(store: Store, name: str = "a", lease: float = 60.0):  # type: ignore[no-untyped-def]
+    now = store.now()
+    make_due(store, name, at=now - timedelta(seconds=1))
+    (claim,) = [c for c in claim_all(store, now, lease=lease) if c.schedule == name]
+    return claim
+
+
+def test_a_task_retry_may_start_again_but_a_redelivery_may_not(store: Store) -> None:
+    store.sync([every_minute("a")])
+    claim = _claimed(store)
+    start = dict(schedule="a", run_id=claim.run_id, token=claim.lease_token, worker="w", lease_seconds=60)
+    assert store.start_run(**start, retries=0).run
+    assert not store.start_run(**start, retries=0).run  # the same message again
+    assert store.start_run(**start, retries=1).run  # the task's own retry
+    assert not store.start_run(**start, retries=1).run
+    assert store.hold_lease(schedule="a", token=claim.lease_token, seconds=3600)
+    assert store.get_schedule("a")["lease_until"] > store.now() + timedelta(minutes=59)
+    assert not store.hold_lease(schedule="a", token="other", seconds=3600)
+
+
+def test_fail_run_only_touches_the_dying_delivery(store: Store) -> None:
+    store.sync([every_minute("a")])
+    claim = _claimed(store, lease=1)
+    assert store.start_run(schedule="a", run_id=claim.run_id, token=claim.lease_token, worker="w1", lease_seconds=1).run
+    # The lease ran out; another claim of the same occurrence (same run id) starts on w2.
+    (newer,) = store.claim(store.now() + timedelta(seconds=5), limit=5, lease_seconds=60, owner="r2")
+    assert store.start_run(
+        schedule="a", run_id=newer.run_id, token=newer.lease_token, worker="w2", lease_seconds=60
+    ).run
+
+    assert not store.fail_run(run_id=claim.run_id, error="WorkerLostError", token=claim.lease_token)
+    assert not store.fail_run(run_id=claim.run_id, error="TimeLimitExceeded", worker="w1")
+    assert store.list_runs()[0]["state"] == RunState.STARTED
+    assert store.fail_run(run_id=claim.run_id, error="WorkerLostError", token=newer.lease_token)
+    (run,) = store.list_runs()
+    assert run["state"] == RunState.FAILED and run["error"] == "WorkerLostError"
+
+
+def test_unregistered_rows_in_flight_are_not_removed(store: Store) -> None:
+    store.sync([every_minute("a"), every_minute("b")])
+    _claimed(store, "b")
+    assert store.sync([every_minute("a")], remove_missing=True).removed == []
+    assert store.get_schedule("b")["lease_token"] is not None
+
+
+def test_trigger_makes_a_schedule_due_unless_a_run_holds_its_lease(store: Store) -> None:
+    store.sync([every_minute("a")])
+    now, blocked = store.make_due("a")
+    assert blocked is None and store.get_schedule("a")["next_run_at"] == now
+    claim_all(store, store.now())
+    _now, blocked = store.make_due("a")
+    assert blocked is not None and blocked > now
+    with pytest.raises(UnknownSchedule):
+        store.make_due("nope")
+
+
+def test_resume_runs_the_missed_occurrence_or_skips_it(store: Store) -> None:
+    store.sync([every_minute("a"), every_minute("b")])
+    past = store.now() - timedelta(minutes=10)
+    make_due(store, "a", "b", at=past)
+    store.set_enabled("a", False)
+    store.set_enabled("b", False)
+    assert store.resume("a") == past  # due at once: runs once, then advances
+    skipped_to = store.resume("b", skip_missed=True)
+    assert skipped_to > store.now() - timedelta(seconds=1)
+    assert store.get_schedule("b")["enabled"] is True
+
+
+def test_missed_run_detection_flags_late_starts_and_overruns_once(store: Store) -> None:
+    store.sync(
+        [
+            every_minute("late", grace_seconds=1.0),
+            every_minute("long", max_runtime_seconds=1.0),
+            every_minute("relaxed"),
+        ]
+    )
+    now = store.now()
+    make_due(store, "late", "long", "relaxed", at=now - timedelta(seconds=1))
+    claims = {c.schedule: c for c in claim_all(store, now)}
+    store.start_run(
+        schedule="long", run_id=claims["long"].run_id, token=claims["long"].lease_token, worker="w", lease_seconds=60
+    )
+    r = store.tables.runs
+    earlier = now - timedelta(seconds=30)
+    with store.engine.begin() as connection:
+        connection.execute(r.update().values(dispatched_at=earlier, started_at=earlier))
+    flagged = {run["schedule"]: reason for run, reason in store.flag_overdue()}
+    assert set(flagged) == {"late", "long"}
+    assert "not started within its grace of 1s" in flagged["late"]
+    assert "past its maximum runtime of 1s" in flagged["long"]
+    assert store.flag_overdue() == []  # flagged once
+    alerts = {run["schedule"]: run["alert"] for run in store.list_runs()}
+    assert alerts["late"] == flagged["late"] and alerts["relaxed"] is None
+
+
+def test_replicas_heartbeat_rows(store: Store) -> None:
+    store.heartbeat_replica(name="h:1", host="h", pid=1, version="0.1.0", claims=0)
+    store.heartbeat_replica(name="h:1", host="h", pid=1, version="0.1.0", claims=7)
+    store.heartbeat_replica(name="h:2", host="h", pid=2, version="0.1.0", claims=1)
+    now, replicas = store.list_replicas()
+    assert {r["name"]: r["claims"] for r in replicas} == {"h:1": 7, "h:2": 1}
+    assert all(r["last_cycle_at"] <= now + timedelta(seconds=1) for r in replicas)
+    store.remove_replica("h:2")
+    assert [r["name"] for r in store.list_replicas()[1]] == ["h:1"]
