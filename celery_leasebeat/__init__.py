@@ -21,6 +21,7 @@ from .errors import (
     UnknownSchedule,
     UnknownTimezone,
 )
+from .history import purge_history
 from .recorder import connect_signals
 from .registry import register_schedule
 from .scheduler import LeaseScheduler
@@ -36,6 +37,7 @@ __all__ = [
     "UnknownSchedule",
     "UnknownTimezone",
     "__version__",
+    "purge_history",
     "register_schedule",
     "set_override",
 ]

@@ -24,6 +24,10 @@ from .store.records import ScheduleDefinition
 
 logger = logging.getLogger("celery_leasebeat.registry")
 
+#: The package's own schedule: the ledger retention purge (see celery_leasebeat.history).
+PURGE_SCHEDULE = "leasebeat.purge_history"
+PURGE_TASK = "celery_leasebeat.purge_history"
+
 _REGISTRY_ATTRIBUTE = "_leasebeat_registrations"
 
 
@@ -108,28 +112,49 @@ def collect_definitions(app: Celery, config: LeaseBeatConfig) -> list[ScheduleDe
 
     Raises :class:`InvalidSchedule` naming the first entry that cannot be served.
     """
+    definitions, errors = inspect_definitions(app, config)
+    if errors:
+        raise errors[0]
+    return definitions
+
+
+def inspect_definitions(app: Celery, config: LeaseBeatConfig) -> tuple[list[ScheduleDefinition], list[InvalidSchedule]]:
+    """Like :func:`collect_definitions`, but every entry is checked: returns the valid
+    definitions and one error per invalid entry (what ``leasebeat lint`` reports)."""
     definitions: dict[str, ScheduleDefinition] = {}
+    errors: list[InvalidSchedule] = []
     for entry_name, entry in _beat_schedule_with_defaults(app).items():
-        if not isinstance(entry, Mapping) or "task" not in entry or "schedule" not in entry:
-            raise InvalidSchedule(f"beat_schedule entry {entry_name!r} must be a dict with 'task' and 'schedule'")
-        definitions[entry_name] = _definition(
-            entry_name,
-            entry["task"],
-            entry["schedule"],
-            timezone=_app_timezone(app),
-            args=entry.get("args", ()),
-            kwargs=entry.get("kwargs"),
-            options=entry.get("options"),
-            app=app,
-            allow_missing=False,
-        )
+        try:
+            if not isinstance(entry, Mapping) or "task" not in entry or "schedule" not in entry:
+                raise InvalidSchedule(f"beat_schedule entry {entry_name!r} must be a dict with 'task' and 'schedule'")
+            definitions[entry_name] = _definition(
+                entry_name,
+                entry["task"],
+                entry["schedule"],
+                timezone=_app_timezone(app),
+                args=entry.get("args", ()),
+                kwargs=entry.get("kwargs"),
+                options=entry.get("options"),
+                app=app,
+                allow_missing=False,
+            )
+        except InvalidSchedule as exc:
+            errors.append(exc)
     for registered_name, definition in registrations(app).items():
         if registered_name in definitions:
-            raise InvalidSchedule(
-                f"schedule {registered_name!r} is both registered with register_schedule() "
-                f"and an entry of beat_schedule; give one of them another name"
+            errors.append(
+                InvalidSchedule(
+                    f"schedule {registered_name!r} is both registered with register_schedule() "
+                    f"and an entry of beat_schedule; give one of them another name"
+                )
             )
+            continue
         definitions[registered_name] = definition
+    if config.history_retention_days is not None:
+        definitions.setdefault(
+            PURGE_SCHEDULE,
+            ScheduleDefinition(name=PURGE_SCHEDULE, task=PURGE_TASK, kind="cron", cron=config.purge_cron),
+        )
     for override_name, expression in config.overrides.items():
         if override_name in definitions and expression.strip():
             current = definitions[override_name]
@@ -145,14 +170,18 @@ def collect_definitions(app: Celery, config: LeaseBeatConfig) -> list[ScheduleDe
                 grace_seconds=current.grace_seconds,
                 max_runtime_seconds=current.max_runtime_seconds,
             )
+    valid = []
     for definition in definitions.values():
-        if definition.kind != "interval" and definition.cron is None:
-            raise InvalidSchedule(
-                f"schedule {definition.name!r} has no cron expression: pass one to "
-                f"register_schedule() or set leasebeat_overrides[{definition.name!r}]"
-            )
-        validate(definition)
-    return list(definitions.values())
+        try:
+            if definition.kind != "interval" and definition.cron is None:
+                raise InvalidSchedule(
+                    f"schedule {definition.name!r} has no cron expression: pass one to "
+                    f"register_schedule() or set leasebeat_overrides[{definition.name!r}]"
+                )
+            valid.append(validate(definition))
+        except InvalidSchedule as exc:
+            errors.append(exc)
+    return valid, errors
 
 
 def validate(definition: ScheduleDefinition) -> ScheduleDefinition:

@@ -126,7 +126,13 @@ class CronSpec:
         )
         best: datetime | None = None
         for _ in range(_MAX_WALL_TIMES):
-            candidate_wall = walls.get_next(datetime)
+            try:
+                candidate_wall = walls.get_next(datetime)
+            except CroniterError as exc:  # e.g. "0 0 30 2 *": croniter finds no date at all
+                raise InvalidSchedule(
+                    f"cron expression {self.expression!r} in {self.timezone} has no occurrence after "
+                    f"{after.isoformat()}: {exc}"
+                ) from None
             for instant in self._instants(zone, candidate_wall):
                 if instant > after and (best is None or instant < best):
                     best = instant

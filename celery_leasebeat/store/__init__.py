@@ -805,6 +805,48 @@ class Store:
                 flagged.append((dict(row._mapping), reason))
         return flagged
 
+    @_translate_errors
+    def purge_runs(self, retention: timedelta, *, limit: int) -> int:
+        """Delete at most *limit* ledger rows that finished more than *retention* ago, oldest
+        first; return how many. Capped so a backlog drains over several short runs, and
+        harmless to run twice."""
+        r = self.tables.runs
+        with self._transaction() as connection:
+            cutoff = self._now(connection) - retention
+            ids = (
+                connection.execute(
+                    select(r.c.id).where(r.c.finished_at < cutoff).order_by(r.c.finished_at).limit(limit)
+                )
+                .scalars()
+                .all()
+            )
+            deleted = 0
+            for start in range(0, len(ids), _CHUNK):
+                deleted += connection.execute(
+                    delete(r).where(r.c.id.in_(ids[start : start + _CHUNK]), r.c.finished_at < cutoff)
+                ).rowcount
+        return deleted
+
+    @_translate_errors
+    def attention(self, since: datetime) -> dict[str, tuple[int, str]]:
+        """Per schedule, the runs since *since* that missed-run detection flagged or recorded
+        missed or lost: how many, and the latest reason."""
+        r = self.tables.runs
+        query = (
+            select(r.c.schedule, r.c.alert, r.c.error, r.c.state)
+            .where(
+                r.c.occurrence >= since,
+                or_(r.c.alert.is_not(None), r.c.state.in_([RunState.MISSED, RunState.LOST])),
+            )
+            .order_by(r.c.occurrence)
+        )
+        found: dict[str, tuple[int, str]] = {}
+        with self._transaction() as connection:
+            for row in connection.execute(query):
+                count = found.get(row.schedule, (0, ""))[0]
+                found[row.schedule] = (count + 1, row.alert or f"{row.state}: {row.error}")
+        return found
+
     # -- beat replicas ---------------------------------------------------------------------
 
     @_translate_errors
