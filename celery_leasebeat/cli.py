@@ -108,7 +108,7 @@ def _errors_as_exit_codes(command: F) -> F:
 
 
 @click.group(name="leasebeat", help=__doc__)
-@click.option("-A", "--app", "app_name", metavar="APP", help="The Celery app, as for `celery -A`.")
+@click.option("-A", "--app", "app_name", metavar="APP", envvar="LEASEBEAT_APP", help="The Celery app, as for `celery -A`.")
 @click.version_option(__version__, prog_name="leasebeat")
 @click.pass_context
 def leasebeat(ctx: click.Context, app_name: str | None) -> None:
