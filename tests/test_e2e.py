@@ -249,3 +249,101 @@ def test_bad_input_stops_beat_with_a_message_naming_it(make_cluster, tmp_path: P
     output = (tmp_path / "beat.log").read_text()
     assert code != 0 and expected in output, output[-3000:]
     assert not (tmp_path / "leasebeat.sqlite").exists()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Prometheus text as {"name{labels}": value}."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def test_metrics_from_a_real_beat_and_a_real_prefork_worker(make_cluster) -> None:
+    broker_url, database_url = _services("redis", "postgresql")
+    beat_port, worker_port = _free_port(), _free_port()
+    cluster = make_cluster(
+        broker_url,
+        database_url,
+        E2E_EVERY_SECOND="alpha,beta,gamma",
+        E2E_RECORD_SLEEP="0.3",  # three runs due each second overlap: they need three children
+        E2E_METRICS_PORT=str(beat_port),
+        E2E_WORKER_METRICS_PORT=str(worker_port),
+    )
+    cluster.worker("worker", concurrency=3)  # prefork: runs land in three child processes
+    cluster.beat("beat1")
+    cluster.wait_for(lambda: len(cluster.events()) >= 12, 60, "twelve runs")
+    cluster.stop("beat1")
+    time.sleep(2)
+    pids = {e["pid"] for e in cluster.events()}
+    assert len(pids) >= 2, "the runs did not spread over pool children"
+    worker = _scrape(worker_port)
+    for name in ("alpha", "beta", "gamma"):
+        succeeded = [r for r in cluster.store.list_runs(name) if r["state"] == RunState.SUCCEEDED]
+        # Summed over every pool child: exactly the runs the ledger recorded.
+        assert worker[f'leasebeat_runs_total{{outcome="succeeded",schedule="{name}"}}'] == len(succeeded)
+        assert worker[f'leasebeat_run_duration_seconds_count{{schedule="{name}"}}'] == len(succeeded)
+        assert worker[f'leasebeat_start_lag_seconds_count{{schedule="{name}"}}'] == len(succeeded)
+    cluster.stop("worker")
+
+
+def test_beat_serves_its_metrics(make_cluster) -> None:
+    broker_url, database_url = _services("redis", "postgresql")
+    port = _free_port()
+    cluster = make_cluster(broker_url, database_url, E2E_EVERY_SECOND="alpha", E2E_METRICS_PORT=str(port))
+    cluster.worker("worker")
+    cluster.beat("beat1")
+    cluster.wait_for(lambda: len(cluster.events()) >= 3, 60, "three runs")
+    beat = _scrape(port)
+    assert beat["leasebeat_claims_total"] >= 3
+    assert beat['leasebeat_dispatch_lag_seconds_count{schedule="alpha"}'] >= 3
+    assert beat['leasebeat_dispatch_lag_seconds_bucket{le="1.0",schedule="alpha"}'] >= 3
+    assert beat["leasebeat_cycle_seconds_count"] >= 3
+
+
+def test_flower_shows_each_run_with_its_schedule_and_occurrence(make_cluster) -> None:
+    import urllib.request
+
+    broker_url, database_url = _services("redis", "postgresql")
+    port = _free_port()
+    cluster = make_cluster(broker_url, database_url, E2E_EVERY_SECOND="alpha", FLOWER_UNAUTHENTICATED_API="true")
+    cluster._start("flower", "flower", f"--port={port}", "--address=127.0.0.1")
+    worker = cluster._start(
+        "worker", "worker", "-E", "-l", "info", "-c", "2", "-Q", cluster.env["E2E_QUEUE"], "-n", f"w-{cluster.prefix}@%h"
+    )
+    assert worker.poll() is None
+    cluster.beat("beat1")
+    cluster.wait_for(lambda: len(cluster.events()) >= 3, 60, "three runs")
+
+    def flower_tasks() -> dict:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/tasks?limit=100", timeout=5) as response:
+                return json.loads(response.read())
+        except OSError:
+            return {}
+
+    ledger = {r["id"]: r for r in cluster.store.list_runs() if r["state"] == RunState.SUCCEEDED}
+
+    def seen() -> bool:
+        return any(task_id in ledger and info.get("state") == "SUCCESS" for task_id, info in flower_tasks().items())
+
+    cluster.wait_for(seen, 60, "Flower to report a run")
+    tasks = flower_tasks()
+    task_id = next(t for t in tasks if t in ledger and tasks[t].get("state") == "SUCCESS")
+    info, run = tasks[task_id], ledger[task_id]
+    assert info["name"] == f"e2eapp.record[alpha@{run['occurrence'].isoformat()}]"
+    assert info["runtime"] is not None and info["runtime"] >= 0

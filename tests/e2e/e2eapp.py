@@ -27,6 +27,9 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,
     task_acks_late=os.environ.get("E2E_ACKS_LATE") == "1",
+    leasebeat_metrics_port=os.environ.get("E2E_METRICS_PORT"),
+    leasebeat_worker_metrics_port=os.environ.get("E2E_WORKER_METRICS_PORT"),
+    leasebeat_history_retention_days=os.environ.get("E2E_RETENTION_DAYS"),
 )
 if os.environ.get("E2E_BEAT_SCHEDULE") == "1":
     # An existing project's schedule, unchanged.
@@ -56,6 +59,7 @@ def _write(event: str, task) -> None:
 @app.task(bind=True)
 def record(self, label: str = "") -> str:
     _write("run", self)
+    time.sleep(float(os.environ.get("E2E_RECORD_SLEEP", "0")))
     return label
 
 
