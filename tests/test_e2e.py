@@ -323,7 +323,17 @@ def test_flower_shows_each_run_with_its_schedule_and_occurrence(make_cluster) ->
     cluster = make_cluster(broker_url, database_url, E2E_EVERY_SECOND="alpha", FLOWER_UNAUTHENTICATED_API="true")
     cluster._start("flower", "flower", f"--port={port}", "--address=127.0.0.1")
     worker = cluster._start(
-        "worker", "worker", "-E", "-l", "info", "-c", "2", "-Q", cluster.env["E2E_QUEUE"], "-n", f"w-{cluster.prefix}@%h"
+        "worker",
+        "worker",
+        "-E",
+        "-l",
+        "info",
+        "-c",
+        "2",
+        "-Q",
+        cluster.env["E2E_QUEUE"],
+        "-n",
+        f"w-{cluster.prefix}@%h",
     )
     assert worker.poll() is None
     cluster.beat("beat1")

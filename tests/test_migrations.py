@@ -20,8 +20,9 @@ def test_migrating_an_empty_database_matches_the_metadata(store: Store) -> None:
             connection,
             opts={
                 "compare_type": True,
-                "include_name": lambda name, type_, parent: type_ != "table"
-                or (name.startswith(prefix) and name != f"{prefix}alembic_version"),
+                "include_name": lambda name, type_, parent: (
+                    type_ != "table" or (name.startswith(prefix) and name != f"{prefix}alembic_version")
+                ),
             },
         )
         differences = compare_metadata(context, store.tables.metadata)

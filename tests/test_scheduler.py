@@ -193,3 +193,64 @@ def test_broker_outage_releases_claims_and_retries_them(
         scheduler.close()
     finally:
         proxy.close()
+
+
+def test_an_occurrence_claimed_after_its_grace_is_recorded_missed_not_run(
+    tmp_path: Path, cleanup: list[tuple[Celery, str]]
+) -> None:
+    app = make_app(sqlite_url(tmp_path))
+    cleanup.append((app, sqlite_url(tmp_path)))
+    register_schedule("proj.work", "* * * * *", name="strict", grace=5, app=app)
+    register_schedule("proj.work", "* * * * *", name="relaxed", app=app)
+    scheduler = LeaseScheduler(app)
+    scheduler.tick()
+    store = store_of(app)
+    long_ago = (store.now() - timedelta(minutes=10)).replace(second=0, microsecond=0)
+    with store.engine.begin() as connection:
+        connection.execute(store.tables.schedules.update().values(next_run_at=long_ago))
+    scheduler.tick()
+    runs = {r["schedule"]: r for r in store.list_runs()}
+    assert runs["strict"]["state"] == RunState.MISSED
+    assert "not claimed within its grace of 5s" in runs["strict"]["error"]
+    assert store.get_schedule("strict")["next_run_at"] > long_ago + timedelta(minutes=10)
+    assert runs["relaxed"]["state"] == RunState.DISPATCHED  # no grace: runs once, late
+
+
+def test_the_history_purge_is_the_packages_own_schedule(tmp_path: Path, cleanup: list[tuple[Celery, str]]) -> None:
+    app = make_app(sqlite_url(tmp_path), leasebeat_history_retention_days=7, leasebeat_purge_batch_size=2)
+    cleanup.append((app, sqlite_url(tmp_path)))
+    scheduler = LeaseScheduler(app)
+    scheduler.tick()
+    store = store_of(app)
+    assert store.get_schedule("leasebeat.purge_history")["task"] == "celery_leasebeat.purge_history"
+    now = store.now()
+    rows = [
+        {
+            "id": f"old-{i}",
+            "schedule": "x",
+            "occurrence": now - timedelta(days=30, minutes=i),
+            "state": "succeeded",
+            "attempts": 1,
+            "finished_at": now - timedelta(days=30, minutes=i),
+            "missed_count": 0,
+        }
+        for i in range(5)
+    ] + [
+        {
+            "id": "recent",
+            "schedule": "x",
+            "occurrence": now,
+            "state": "succeeded",
+            "attempts": 1,
+            "finished_at": now - timedelta(days=1),
+            "missed_count": 0,
+        }
+    ]
+    with store.engine.begin() as connection:
+        connection.execute(store.tables.runs.insert(), rows)
+    purge = app.tasks["celery_leasebeat.purge_history"]
+    assert purge.apply().get() == {"deleted": 2, "capped": True}  # capped per run
+    assert purge.apply().get() == {"deleted": 2, "capped": True}
+    assert purge.apply().get() == {"deleted": 1, "capped": False}  # the backlog drained
+    assert purge.apply().get() == {"deleted": 0, "capped": False}  # harmless twice
+    assert [r["id"] for r in store.list_runs("x")] == ["recent"]
