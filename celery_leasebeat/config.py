@@ -65,6 +65,8 @@ class LeaseBeatConfig:
     history_retention_days: float | None = None
     purge_batch_size: int = DEFAULT_PURGE_BATCH_SIZE
     purge_cron: str = DEFAULT_PURGE_CRON
+    #: Refuse to start beat when a schedule names a task the app does not know.
+    check_tasks: bool = True
 
     @property
     def heartbeat_interval(self) -> float:
@@ -125,6 +127,7 @@ class LeaseBeatConfig:
             ),
             purge_batch_size=_positive_int("purge_batch_size", get("purge_batch_size", DEFAULT_PURGE_BATCH_SIZE)),
             purge_cron=_cron_text("purge_cron", get("purge_cron", DEFAULT_PURGE_CRON)),
+            check_tasks=bool(get("check_tasks", True)),
         )
 
 

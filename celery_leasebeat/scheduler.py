@@ -102,7 +102,7 @@ class LeaseScheduler(Scheduler):
 
     def _check_tasks(self) -> None:
         assert self._config is not None
-        if not self._config_flag("leasebeat_check_tasks", True):
+        if not self._config.check_tasks:
             return
         known = self.app.tasks
         for definition in self._definitions:
@@ -112,10 +112,6 @@ class LeaseScheduler(Scheduler):
                     f"registered in this app; import its module, or set "
                     f"leasebeat_check_tasks = False to send tasks by name)"
                 )
-
-    def _config_flag(self, name: str, default: bool) -> bool:
-        value = self.app.conf.get(name)
-        return default if value is None else bool(value)
 
     @property
     def info(self) -> str:
