@@ -108,7 +108,9 @@ def _errors_as_exit_codes(command: F) -> F:
 
 
 @click.group(name="leasebeat", help=__doc__)
-@click.option("-A", "--app", "app_name", metavar="APP", envvar="LEASEBEAT_APP", help="The Celery app, as for `celery -A`.")
+@click.option(
+    "-A", "--app", "app_name", metavar="APP", envvar="LEASEBEAT_APP", help="The Celery app, as for `celery -A`."
+)
 @click.version_option(__version__, prog_name="leasebeat")
 @click.pass_context
 def leasebeat(ctx: click.Context, app_name: str | None) -> None:
@@ -300,9 +302,7 @@ def lint_command(state: _State, as_json: bool) -> None:
     for definition in definitions:
         spec = definition.spec()
         if definition.task not in state.app.tasks:
-            report.append(
-                {"name": definition.name, "level": "error", "message": f"unknown task {definition.task!r}"}
-            )
+            report.append({"name": definition.name, "level": "error", "message": f"unknown task {definition.task!r}"})
         warnings = lint(spec, now)
         for warning in warnings:
             report.append({"name": definition.name, "level": "warning", "message": warning})
