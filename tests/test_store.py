@@ -311,18 +311,21 @@ def test_give_up_records_lost_and_advances(store: Store) -> None:
 
 # -- claim exclusivity under real concurrency -------------------------------------------------
 
-SCHEDULES = 120
+SCHEDULES = 240
 
 
-def _claim_worker(url: str, prefix: str, start: multiprocessing.synchronize.Event, out: multiprocessing.Queue) -> None:  # type: ignore[name-defined]
+def _claim_worker(
+    url: str, prefix: str, start: multiprocessing.synchronize.Barrier, out: multiprocessing.Queue
+) -> None:  # type: ignore[name-defined]
     store = Store(url, table_prefix=prefix)
+    store.now()  # connected and ready: only then wait for the others
     start.wait()
     claimed: list[tuple[str, str]] = []
     idle = 0
     while idle < 5:
         try:
             now = store.probe().now
-            batch = store.claim(now, limit=7, lease_seconds=600, owner=str(multiprocessing.current_process().pid))
+            batch = store.claim(now, limit=3, lease_seconds=600, owner=str(multiprocessing.current_process().pid))
         except DatabaseUnavailable:  # e.g. an InnoDB deadlock: beat retries the cycle, so does this
             continue
         if batch:
@@ -342,7 +345,7 @@ def test_concurrent_claimers_claim_each_occurrence_exactly_once(store: Store) ->
     store.dispose()
 
     context = multiprocessing.get_context("spawn")
-    start, out = context.Event(), context.Queue()
+    start, out = context.Barrier(6), context.Queue()
     url = store.url.render_as_string(hide_password=False)
     processes = [
         context.Process(target=_claim_worker, args=(url, store.tables.schedules.name[: -len("schedules")], start, out))
@@ -350,7 +353,6 @@ def test_concurrent_claimers_claim_each_occurrence_exactly_once(store: Store) ->
     ]
     for process in processes:
         process.start()
-    start.set()
     results = [out.get(timeout=60) for _ in processes]
     for process in processes:
         process.join(timeout=30)
