@@ -32,7 +32,7 @@ from .errors import (
 from .lint import describe, lint
 from .registry import inspect_definitions
 from .store import RunState, Store, spec_for
-from .timing import CronSpec, Spec, preview, utc, zone_for
+from .timing import CronSpec, IntervalSpec, Spec, preview, utc, zone_for
 
 UTC = timezone.utc
 
@@ -458,7 +458,7 @@ def _schedule_summary(row: dict[str, Any], attention: tuple[int, str] | None) ->
     duration = f" in {row['last_duration_ms']} ms" if row["last_duration_ms"] is not None else ""
     return {
         "name": row["name"],
-        "cron": spec.expression if isinstance(spec, CronSpec) else f"every {spec.seconds:g}s",
+        "cron": _timing(spec),
         "description": describe(spec),
         "timezone": row["timezone"],
         "next_run_local": row["next_run_at"].astimezone(zone).isoformat(),
@@ -493,6 +493,14 @@ def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
         "error": run["error"],
         "note": note,
     }
+
+
+def _timing(spec: Spec) -> str:
+    if isinstance(spec, CronSpec):
+        return spec.expression
+    if isinstance(spec, IntervalSpec):
+        return f"every {spec.seconds:g}s"
+    return "triggered"
 
 
 def _iso(moment: datetime | None) -> str:

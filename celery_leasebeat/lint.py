@@ -10,7 +10,7 @@ from cron_descriptor import Options, get_description
 from croniter import croniter
 
 from .errors import InvalidSchedule
-from .timing import CronSpec, IntervalSpec, Spec, utc
+from .timing import CronSpec, IntervalSpec, Spec, TriggeredSpec, utc
 
 _YEAR = timedelta(days=366)
 # Months that lack day 29, 30 or 31 (in some year).
@@ -21,6 +21,8 @@ def describe(spec: Spec) -> str:
     """A plain-English description: "At 03:15 AM", "Every 5 seconds"."""
     if isinstance(spec, IntervalSpec):
         return f"Every {spec.seconds:g} seconds"
+    if isinstance(spec, TriggeredSpec):
+        return "When triggered"
     options = Options()
     options.use_24hour_time_format = True
     try:
@@ -37,6 +39,8 @@ def lint(spec: Spec, now: datetime) -> list[str]:
     some months lack, wall times DST skips or repeats, more often than once a minute."""
     if isinstance(spec, IntervalSpec):
         return ["fires more than once a minute"] if spec.seconds < 60 else []
+    if isinstance(spec, TriggeredSpec):
+        return []
     warnings: list[str] = []
     now = utc(now)
     try:

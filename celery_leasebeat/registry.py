@@ -12,6 +12,7 @@ import json
 import logging
 import numbers
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -43,6 +44,12 @@ def register_schedule(
     app: Celery | None = None,
     grace: float | timedelta | None = None,
     max_runtime: float | timedelta | None = None,
+    queue: str | None = None,
+    after: str | None = None,
+    triggered: bool = False,
+    inline_cap: int | None = None,
+    daily_cap: int | None = None,
+    dedupe_window: float | timedelta | None = None,
 ) -> ScheduleDefinition:
     """Register *task* to run on a schedule under LeaseScheduler.
 
@@ -57,6 +64,15 @@ def register_schedule(
     occurrence not claimed within *grace* of its time is recorded ``missed`` and not run, one
     dispatched but not started within *grace* is flagged, and a run longer than
     *max_runtime* is flagged (see docs/operations.md).
+
+    *queue* routes the runs to their own queue (a separate worker pool for batch work).
+    *after* names an upstream schedule: this one has no timing of its own and runs for the
+    same window when the upstream run succeeds (it is recorded skipped when the upstream
+    fails). *triggered* makes a schedule that runs only when triggered (HTTP API, CLI).
+    *inline_cap* makes the HTTP API run it inline, passing ``cap=inline_cap`` to the task,
+    which returns how much it did (at most the cap). *daily_cap* limits triggered runs per
+    UTC day; *dedupe_window* collapses triggers within that many seconds into one job
+    (see docs/http-api.md).
     """
     task_name = task if isinstance(task, str) else task.name
     if not task_name:
@@ -74,10 +90,20 @@ def register_schedule(
         options=options,
         app=app,
         allow_missing=True,
-        grace=_seconds(grace, schedule_name, "grace"),
-        max_runtime=_seconds(max_runtime, schedule_name, "max_runtime"),
+        extra={
+            "grace_seconds": _seconds(grace, schedule_name, "grace"),
+            "max_runtime_seconds": _seconds(max_runtime, schedule_name, "max_runtime"),
+            "after": after,
+            "inline_cap": _count(inline_cap, schedule_name, "inline_cap"),
+            "daily_cap": _count(daily_cap, schedule_name, "daily_cap"),
+            "dedupe_seconds": _seconds(dedupe_window, schedule_name, "dedupe_window"),
+        },
     )
-    if definition.cron is not None or definition.kind == "interval":
+    if queue:
+        definition = replace(definition, options={**definition.options, "queue": queue})
+    if (after or triggered) and cron is None:
+        definition = replace(definition, kind="triggered")
+    if definition.cron is not None or definition.kind in ("interval", "triggered"):
         validate(definition)
     registrations(app)[schedule_name] = definition
     return definition
@@ -157,23 +183,16 @@ def inspect_definitions(app: Celery, config: LeaseBeatConfig) -> tuple[list[Sche
         )
     for override_name, expression in config.overrides.items():
         if override_name in definitions and expression.strip():
-            current = definitions[override_name]
-            definitions[override_name] = ScheduleDefinition(
-                name=current.name,
-                task=current.task,
+            definitions[override_name] = replace(
+                definitions[override_name],
                 kind="cron",  # an override is a standard cron expression
                 cron=expression.strip(),
-                timezone=current.timezone,
-                args=current.args,
-                kwargs=current.kwargs,
-                options=current.options,
-                grace_seconds=current.grace_seconds,
-                max_runtime_seconds=current.max_runtime_seconds,
+                interval_seconds=None,
             )
     valid = []
     for definition in definitions.values():
         try:
-            if definition.kind != "interval" and definition.cron is None:
+            if definition.kind in ("cron", "crontab") and definition.cron is None:
                 raise InvalidSchedule(
                     f"schedule {definition.name!r} has no cron expression: pass one to "
                     f"register_schedule() or set leasebeat_overrides[{definition.name!r}]"
@@ -209,8 +228,7 @@ def _definition(
     options: Mapping[str, Any] | None,
     app: Celery,
     allow_missing: bool,
-    grace: float | None = None,
-    max_runtime: float | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> ScheduleDefinition:
     common: dict[str, Any] = {
         "name": name,
@@ -218,8 +236,7 @@ def _definition(
         "args": list(args or ()),
         "kwargs": dict(kwargs or {}),
         "options": dict(options or {}),
-        "grace_seconds": grace,
-        "max_runtime_seconds": max_runtime,
+        **(extra or {}),
     }
     if value is None and allow_missing:
         return ScheduleDefinition(kind="cron", cron=None, timezone=timezone, **common)
@@ -249,6 +266,14 @@ def _seconds(value: float | timedelta | None, schedule: str, label: str) -> floa
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise InvalidSchedule(f"schedule {schedule!r}: {label} must be a positive number of seconds, got {value!r}")
     return float(seconds)
+
+
+def _count(value: int | None, schedule: str, label: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidSchedule(f"schedule {schedule!r}: {label} must be a positive whole number, got {value!r}")
+    return value
 
 
 def crontab_expression(value: crontab) -> str:

@@ -186,7 +186,22 @@ class IntervalSpec:
         return candidate
 
 
-Spec = CronSpec | IntervalSpec
+@dataclass(frozen=True)
+class TriggeredSpec:
+    """No timing of its own: runs only when triggered (an upstream schedule, the HTTP API or
+    ``leasebeat trigger``). Its next occurrence is the end of time."""
+
+    def validate(self, *, schedule: str = "?") -> TriggeredSpec:
+        return self
+
+    def next_after(self, after: datetime, previous: datetime | None = None) -> datetime:
+        return NEVER
+
+
+#: The next_run_at of a schedule that is never due on its own.
+NEVER = datetime(9999, 12, 31, tzinfo=UTC)
+
+Spec = CronSpec | IntervalSpec | TriggeredSpec
 
 
 def occurrences_between(spec: Spec, first: datetime, until: datetime, limit: int) -> int:

@@ -251,6 +251,10 @@ class Store:
             "timezone": definition.timezone,
             "grace_seconds": definition.grace_seconds,
             "max_runtime_seconds": definition.max_runtime_seconds,
+            "after_schedule": definition.after,
+            "inline_cap": definition.inline_cap,
+            "daily_cap": definition.daily_cap,
+            "dedupe_seconds": definition.dedupe_seconds,
             "override_cron": None,
             "enabled": True,
             "origin": "code" if origin else "api",
@@ -274,6 +278,10 @@ class Store:
             "timezone": definition.timezone,
             "grace_seconds": definition.grace_seconds,
             "max_runtime_seconds": definition.max_runtime_seconds,
+            "after_schedule": definition.after,
+            "inline_cap": definition.inline_cap,
+            "daily_cap": definition.daily_cap,
+            "dedupe_seconds": definition.dedupe_seconds,
             "origin": "code",
         }
         return {key: value for key, value in wanted.items() if getattr(row, key) != value}
@@ -350,7 +358,15 @@ class Store:
 
     @_translate_errors
     def claim(
-        self, now: datetime, *, limit: int, lease_seconds: float, owner: str, names: Sequence[str] | None = None
+        self,
+        now: datetime,
+        *,
+        limit: int,
+        lease_seconds: float,
+        owner: str,
+        names: Sequence[str] | None = None,
+        source: str = "schedule",
+        dedupe_key: str | None = None,
     ) -> list[ClaimedRun]:
         """Lease up to *limit* occurrences due at *now* (the cycle's database clock) and
         write their ledger rows; return them earliest first. *names* restricts the claim to
@@ -385,6 +401,8 @@ class Store:
                     options=dict(row.options or {}),
                     spec=spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron),
                     grace_seconds=row.grace_seconds,
+                    after=row.after_schedule,
+                    inline_cap=row.inline_cap,
                 )
                 for row in rows
             ]
@@ -404,6 +422,8 @@ class Store:
                     "retries": None,
                     "error": None,
                     "missed_count": 0,
+                    "source": "after" if claim.after else source,
+                    "dedupe_key": dedupe_key,
                 }
                 for claim in claims
             ]
@@ -587,17 +607,21 @@ class Store:
         outcome: str,
         duration_ms: int,
         error: str | None = None,
+        result: str | None = None,
     ) -> Finished:
         """Record the outcome of a run, advance the schedule to its next occurrence and
         release the lease, all fenced by *token*. Occurrences that elapsed while the run
-        was in flight (or while nothing ran) are dropped and counted on the ledger row."""
+        was in flight (or while nothing ran) are dropped and counted on the ledger row.
+
+        Schedules that run after this one are released for the same window when it
+        succeeded, and recorded skipped with the reason when it did not."""
         s, r = self.tables.schedules, self.tables.runs
         with self._transaction() as connection:
             now = self._now(connection)
             row = connection.execute(
-                select(s.c.kind, s.c.cron, s.c.interval_seconds, s.c.timezone, s.c.override_cron).where(
-                    s.c.name == schedule, s.c.lease_token == token
-                )
+                select(
+                    s.c.kind, s.c.cron, s.c.interval_seconds, s.c.timezone, s.c.override_cron, s.c.next_run_at
+                ).where(s.c.name == schedule, s.c.lease_token == token)
             ).one_or_none()
             if row is None:
                 logger.warning(
@@ -609,6 +633,8 @@ class Store:
                 return Finished(applied=False)
             spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron)
             next_run_at, missed = advance(spec, occurrence, now)
+            if row.kind == "triggered" and row.next_run_at > occurrence:
+                next_run_at = row.next_run_at  # a newer window was released while this one ran
             connection.execute(
                 s.update()
                 .where(s.c.name == schedule, s.c.lease_token == token)
@@ -635,8 +661,10 @@ class Store:
                     duration_ms=duration_ms,
                     error=error,
                     missed_count=missed,
+                    result=result,
                 )
             )
+            self._follow_up(connection, schedule, occurrence, outcome, now)
         if missed:
             logger.warning(
                 "leasebeat: schedule %s dropped %s%d occurrence(s) that elapsed before its "
@@ -648,6 +676,37 @@ class Store:
                 next_run_at.isoformat(),
             )
         return Finished(applied=True, missed=missed, next_run_at=next_run_at)
+
+    def _follow_up(self, connection: Connection, upstream: str, window: datetime, outcome: str, now: datetime) -> None:
+        """Release the schedules that run after *upstream* for *window*, or record why not."""
+        s, r = self.tables.schedules, self.tables.runs
+        if outcome == RunState.SUCCEEDED:
+            connection.execute(
+                s.update()
+                .where(s.c.after_schedule == upstream, s.c.enabled.is_(True))
+                .values(next_run_at=window, updated_at=now)
+            )
+            return
+        downstream = connection.execute(select(s.c.name).where(s.c.after_schedule == upstream)).scalars().all()
+        if downstream:
+            connection.execute(
+                insert_ignoring_duplicates(self.engine, r),
+                [
+                    {
+                        "id": run_id_for(name, window),
+                        "schedule": name,
+                        "occurrence": window,
+                        "state": RunState.SKIPPED,
+                        "attempts": 0,
+                        "claimed_at": now,
+                        "finished_at": now,
+                        "error": f"not started: upstream {upstream!r} {outcome} for this window",
+                        "missed_count": 0,
+                        "source": "after",
+                    }
+                    for name in downstream
+                ],
+            )
 
     @_translate_errors
     def hold_lease(self, *, schedule: str, token: str, seconds: float) -> bool:

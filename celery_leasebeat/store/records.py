@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ..timing import CronSpec, IntervalSpec, Spec
+from ..timing import CronSpec, IntervalSpec, Spec, TriggeredSpec
 
 # Fixed forever: changing it would change every run id, and with it every dedupe key.
 _RUN_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://pypi.org/project/celery-leasebeat/")
@@ -50,6 +50,14 @@ class ScheduleDefinition:
     options: dict[str, Any] = field(default_factory=dict)
     grace_seconds: float | None = None
     max_runtime_seconds: float | None = None
+    #: Runs for the same window after this upstream schedule succeeds (kind "triggered").
+    after: str | None = None
+    #: Run inline by the HTTP API, passing cap=inline_cap; the task returns its count.
+    inline_cap: int | None = None
+    #: Triggered runs allowed per UTC day.
+    daily_cap: int | None = None
+    #: Triggers within this many seconds of the last one collapse into its job.
+    dedupe_seconds: float | None = None
 
     def spec(self, override: str | None = None) -> Spec:
         return spec_for(self.kind, self.cron, self.interval_seconds, self.timezone, override)
@@ -66,6 +74,8 @@ def spec_for(
     when set and non-blank."""
     if override is not None and override.strip():
         return CronSpec(override.strip(), timezone)
+    if kind == "triggered":
+        return TriggeredSpec()
     if kind == "interval":
         assert interval_seconds is not None
         return IntervalSpec(interval_seconds)
@@ -100,6 +110,8 @@ class ClaimedRun:
     options: dict[str, Any]
     spec: Spec
     grace_seconds: float | None = None
+    after: str | None = None
+    inline_cap: int | None = None
 
     @property
     def label(self) -> str:

@@ -96,6 +96,12 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         # max_runtime_seconds is flagged. Null: no detection.
         Column("grace_seconds", Float),
         Column("max_runtime_seconds", Float),
+        # Triggered work (docs/http-api.md): the upstream schedule this one runs after, the
+        # per-run cap of an inline job, the daily cap on triggered runs, the dedupe window.
+        Column("after_schedule", String(NAME_LENGTH)),
+        Column("inline_cap", Integer),
+        Column("daily_cap", Integer),
+        Column("dedupe_seconds", Float),
         # Where the row came from: "code" rows follow the registrations and are removed
         # when no longer registered.
         Column("origin", String(16), nullable=False, default="code"),
@@ -116,6 +122,7 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         Index(f"ix_{prefix}schedules_next_run_at", "next_run_at"),
         Index(f"ix_{prefix}schedules_lease_until", "lease_until"),
         Index(f"ix_{prefix}schedules_lease_token", "lease_token"),
+        Index(f"ix_{prefix}schedules_after_schedule", "after_schedule"),
     )
     runs = Table(
         f"{prefix}runs",
@@ -142,9 +149,17 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         Column("missed_count", Integer, nullable=False, default=0),
         # Why missed-run detection flagged this run (late start, overrun); null when it did not.
         Column("alert", Text),
+        # What created the run: "schedule", "api", "cli" or "after" (an upstream succeeded).
+        Column("source", String(16), nullable=False, default="schedule"),
+        # The Idempotency-Key of the HTTP trigger that created it.
+        Column("dedupe_key", String(NAME_LENGTH)),
+        # A short JSON summary of what the task returned (an inline job's count).
+        Column("result", Text),
         UniqueConstraint("schedule", "occurrence", name=f"uq_{prefix}runs_occurrence"),
         Index(f"ix_{prefix}runs_finished_at", "finished_at"),
         Index(f"ix_{prefix}runs_state", "state"),
+        Index(f"ix_{prefix}runs_dedupe_key", "dedupe_key", unique=True),
+        Index(f"ix_{prefix}runs_source_claimed_at", "source", "claimed_at"),
     )
     replicas = Table(
         f"{prefix}replicas",

@@ -37,6 +37,10 @@ def upgrade(prefix: str, schema: str | None) -> None:
         sa.Column("enabled", sa.Boolean, nullable=False),
         sa.Column("grace_seconds", sa.Float),
         sa.Column("max_runtime_seconds", sa.Float),
+        sa.Column("after_schedule", sa.String(200)),
+        sa.Column("inline_cap", sa.Integer),
+        sa.Column("daily_cap", sa.Integer),
+        sa.Column("dedupe_seconds", sa.Float),
         sa.Column("origin", sa.String(16), nullable=False),
         sa.Column("next_run_at", UTCDateTime, nullable=False),
         sa.Column("last_run_at", UTCDateTime),
@@ -52,7 +56,7 @@ def upgrade(prefix: str, schema: str | None) -> None:
         sa.Column("version", sa.Integer, nullable=False),
         schema=schema,
     )
-    for column in ("next_run_at", "lease_until", "lease_token"):
+    for column in ("next_run_at", "lease_until", "lease_token", "after_schedule"):
         op.create_index(f"ix_{prefix}schedules_{column}", f"{prefix}schedules", [column], schema=schema)
     op.create_table(
         f"{prefix}runs",
@@ -73,11 +77,18 @@ def upgrade(prefix: str, schema: str | None) -> None:
         sa.Column("error", sa.Text),
         sa.Column("missed_count", sa.Integer, nullable=False),
         sa.Column("alert", sa.Text),
+        sa.Column("source", sa.String(16), nullable=False),
+        sa.Column("dedupe_key", sa.String(200)),
+        sa.Column("result", sa.Text),
         sa.UniqueConstraint("schedule", "occurrence", name=f"uq_{prefix}runs_occurrence"),
         schema=schema,
     )
     op.create_index(f"ix_{prefix}runs_finished_at", f"{prefix}runs", ["finished_at"], schema=schema)
     op.create_index(f"ix_{prefix}runs_state", f"{prefix}runs", ["state"], schema=schema)
+    op.create_index(f"ix_{prefix}runs_dedupe_key", f"{prefix}runs", ["dedupe_key"], unique=True, schema=schema)
+    op.create_index(
+        f"ix_{prefix}runs_source_claimed_at", f"{prefix}runs", ["source", "claimed_at"], schema=schema
+    )
     op.create_table(
         f"{prefix}replicas",
         sa.Column("name", sa.String(255), primary_key=True),
