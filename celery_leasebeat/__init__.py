@@ -22,6 +22,7 @@ from .errors import (
     UnknownTimezone,
 )
 from .history import purge_history
+from .outbound import call_job
 from .recorder import connect_signals
 from .registry import register_schedule
 from .scheduler import LeaseScheduler
@@ -37,6 +38,7 @@ __all__ = [
     "UnknownSchedule",
     "UnknownTimezone",
     "__version__",
+    "call_job",
     "purge_history",
     "register_schedule",
     "set_override",

@@ -442,6 +442,22 @@ def migrate_command(state: _State) -> None:
     click.echo(f"{store.safe_url}: {before or 'empty'} -> {after}")
 
 
+@leasebeat.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@pass_state
+@_errors_as_exit_codes
+def serve_command(state: _State, host: str, port: int) -> None:
+    """Serve the HTTP trigger API (needs the `api` extra). Refuses to start without a token."""
+    try:
+        import uvicorn
+
+        from .api import create_api
+    except ImportError as exc:
+        _fail(f"the HTTP API needs the api extra: pip install 'celery-leasebeat[api]' ({exc.name} is missing)", EXIT_ERROR)
+    uvicorn.run(create_api(state.app), host=host, port=port, log_level="info")
+
+
 # -- formatting ------------------------------------------------------------------------------
 
 

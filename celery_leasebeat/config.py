@@ -67,6 +67,15 @@ class LeaseBeatConfig:
     purge_cron: str = DEFAULT_PURGE_CRON
     #: Refuse to start beat when a schedule names a task the app does not know.
     check_tasks: bool = True
+    #: The HTTP API's bearer tokens: the current one and the previous one (rotation).
+    api_token: str | None = field(default=None, repr=False)
+    api_previous_token: str | None = field(default=None, repr=False)
+    #: Triggered runs per UTC day over every job type; None: no overall cap.
+    api_daily_cap: int | None = None
+    #: "production" unless said otherwise; DEV_AUTH=1 is honoured only in "local" or "dev".
+    environment: str = "production"
+    #: A TOML file of schedules kept next to the code (see docs/http-api.md).
+    schedule_file: str | None = None
 
     @property
     def heartbeat_interval(self) -> float:
@@ -128,6 +137,15 @@ class LeaseBeatConfig:
             purge_batch_size=_positive_int("purge_batch_size", get("purge_batch_size", DEFAULT_PURGE_BATCH_SIZE)),
             purge_cron=_cron_text("purge_cron", get("purge_cron", DEFAULT_PURGE_CRON)),
             check_tasks=bool(get("check_tasks", True)),
+            api_token=_optional_text("api_token", get("api_token", os.environ.get("LEASEBEAT_API_TOKEN"))),
+            api_previous_token=_optional_text(
+                "api_previous_token", get("api_previous_token", os.environ.get("LEASEBEAT_API_PREVIOUS_TOKEN"))
+            ),
+            api_daily_cap=(
+                None if get("api_daily_cap", None) is None else _positive_int("api_daily_cap", get("api_daily_cap", 1))
+            ),
+            environment=str(get("environment", os.environ.get("LEASEBEAT_ENVIRONMENT", "production"))).lower(),
+            schedule_file=_optional_text("schedule_file", get("schedule_file", None)),
         )
 
 
@@ -150,6 +168,14 @@ def _optional_port(name: str, value: Any) -> int | None:
     except (TypeError, ValueError, OverflowError):
         raise ConfigurationError(f"leasebeat_{name} must be a TCP port (1-65535), got {value!r}") from None
     return int(value)
+
+
+def _optional_text(name: str, value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if not isinstance(value, str):
+        raise ConfigurationError(f"leasebeat_{name} must be a string")  # never echo a secret
+    return value.strip()
 
 
 def _cron_text(name: str, value: Any) -> str:

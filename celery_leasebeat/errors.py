@@ -27,6 +27,19 @@ class UnknownSchedule(LeaseBeatError):
     """No schedule of that name exists in the schedule table."""
 
 
+class UnknownJob(LeaseBeatError):
+    """No run with that id exists in the ledger."""
+
+
+class SpendCapExceeded(LeaseBeatError):
+    """A daily cap on triggered runs is reached; ``retry_after`` is the seconds until it resets."""
+
+    def __init__(self, message: str, *, retry_after: int, scope: str) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.scope = scope
+
+
 class DatabaseUnavailable(LeaseBeatError):
     """The schedule database could not be reached; the operation may be retried."""
 

@@ -68,6 +68,11 @@ class Metrics:
             "Runs flagged by missed-run detection (reason: late_start, overrun).",
             ["schedule", "reason"],
         )
+        self.api_refusals = Counter(
+            "leasebeat_api_refusals_total",
+            "HTTP triggers refused (reason: unauthorized, cap_job_type, cap_overall).",
+            ["job_type", "reason"],
+        )
         self.cycle = Histogram(
             "leasebeat_cycle_seconds", "Duration of one beat cycle (probe, claim, publish).", buckets=_LAG_BUCKETS
         )

@@ -20,6 +20,7 @@ again under the same task id.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import threading
@@ -43,6 +44,10 @@ logger = logging.getLogger("celery_leasebeat.recorder")
 HEADER_SCHEDULE = "leasebeat_schedule"
 HEADER_OCCURRENCE = "leasebeat_occurrence"
 HEADER_TOKEN = "leasebeat_token"
+#: Set by the HTTP API on an inline job: the most work the run may report.
+HEADER_INLINE_CAP = "leasebeat_inline_cap"
+#: Longest JSON summary of a return value kept on the ledger row.
+MAX_RESULT_CHARS = 2000
 
 #: A database blip at the start or the end of a run is retried this often before giving up
 #: (then the lease expires and beat re-dispatches: at-least-once, never lost).
@@ -131,9 +136,12 @@ def _run_occurrence(
     heartbeat.add(store, config, schedule, token)
     metrics().start_lag.labels(schedule).observe(max((datetime.now(UTC) - occurrence).total_seconds(), 0.0))
     started = time.monotonic()
-    outcome, error, retry_in = RunState.SUCCEEDED, None, 0.0
+    outcome, error, retry_in, result = RunState.SUCCEEDED, None, 0.0, None
     try:
-        return body(*args, **kwargs)
+        value = body(*args, **kwargs)
+        _enforce_inline_cap(_header(request, headers, HEADER_INLINE_CAP), value)
+        result = _summary(value)
+        return value
     except Retry as exc:
         outcome, retry_in = _RETRY, _seconds_until(exc.when)
         raise
@@ -157,7 +165,7 @@ def _run_occurrence(
                     DATABASE_ATTEMPTS,
                 )
             elif outcome:
-                _record(store, config, outcome, schedule, run_id, token, occurrence, duration_ms, error)
+                _record(store, config, outcome, schedule, run_id, token, occurrence, duration_ms, error, result)
         except DatabaseUnavailable as exc:
             logger.error("leasebeat: could not record %s of %s: %s; the lease will expire", outcome, label, exc)
         finally:
@@ -165,6 +173,27 @@ def _run_occurrence(
 
 
 _RETRY = "retry"
+
+
+class InlineCapExceeded(Exception):
+    """An inline job reported more work than its cap allows (or no count at all)."""
+
+
+def _enforce_inline_cap(cap: Any, value: Any) -> None:
+    if cap is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= int(cap):
+        raise InlineCapExceeded(f"an inline job must return its count, at most its cap of {cap}; it returned {value!r}")
+
+
+def _summary(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        return None
+    return text if len(text) <= MAX_RESULT_CHARS else None
 
 
 def _seconds_until(when: Any) -> float:
@@ -187,6 +216,7 @@ def _record(
     occurrence: datetime,
     duration_ms: int,
     error: str | None,
+    result: str | None,
 ) -> None:
     """Record the outcome. The lease is still heartbeated meanwhile, so a database blip
     shorter than about half a lease costs nothing: the write is retried until it lands."""
@@ -200,6 +230,7 @@ def _record(
             outcome=outcome,
             duration_ms=duration_ms,
             error=error,
+            result=result,
         ),
         attempts,
     )

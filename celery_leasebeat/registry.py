@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import numbers
+import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -74,11 +75,53 @@ def register_schedule(
     UTC day; *dedupe_window* collapses triggers within that many seconds into one job
     (see docs/http-api.md).
     """
+    if app is None:
+        app = task.app if isinstance(task, Task) else _current_app()
+    definition = make_definition(
+        task,
+        cron,
+        name=name,
+        args=args,
+        kwargs=kwargs,
+        timezone=timezone,
+        options=options,
+        app=app,
+        grace=grace,
+        max_runtime=max_runtime,
+        queue=queue,
+        after=after,
+        triggered=triggered,
+        inline_cap=inline_cap,
+        daily_cap=daily_cap,
+        dedupe_window=dedupe_window,
+    )
+    registrations(app)[definition.name] = definition
+    return definition
+
+
+def make_definition(
+    task: Task | str,
+    cron: Any = None,
+    *,
+    name: str | None = None,
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timezone: str = "UTC",
+    options: Mapping[str, Any] | None = None,
+    app: Celery,
+    grace: float | timedelta | None = None,
+    max_runtime: float | timedelta | None = None,
+    queue: str | None = None,
+    after: str | None = None,
+    triggered: bool = False,
+    inline_cap: int | None = None,
+    daily_cap: int | None = None,
+    dedupe_window: float | timedelta | None = None,
+) -> ScheduleDefinition:
+    """The definition :func:`register_schedule` registers (validated), without registering it."""
     task_name = task if isinstance(task, str) else task.name
     if not task_name:
         raise InvalidSchedule(f"register_schedule() needs a task or a task name, got {task!r}")
-    if app is None:
-        app = task.app if isinstance(task, Task) else _current_app()
     schedule_name = name or task_name
     definition = _definition(
         schedule_name,
@@ -105,7 +148,6 @@ def register_schedule(
         definition = replace(definition, kind="triggered")
     if definition.cron is not None or definition.kind in ("interval", "triggered"):
         validate(definition)
-    registrations(app)[schedule_name] = definition
     return definition
 
 
@@ -166,6 +208,15 @@ def inspect_definitions(app: Celery, config: LeaseBeatConfig) -> tuple[list[Sche
             )
         except InvalidSchedule as exc:
             errors.append(exc)
+    if config.schedule_file:
+        from_file, file_errors = load_schedule_file(config.schedule_file, app)
+        errors.extend(file_errors)
+        for definition in from_file:
+            if definition.name in definitions:
+                errors.append(
+                    InvalidSchedule(f"schedule {definition.name!r} of {config.schedule_file} is also in beat_schedule")
+                )
+            definitions[definition.name] = definition
     for registered_name, definition in registrations(app).items():
         if registered_name in definitions:
             errors.append(
@@ -201,6 +252,51 @@ def inspect_definitions(app: Celery, config: LeaseBeatConfig) -> tuple[list[Sche
         except InvalidSchedule as exc:
             errors.append(exc)
     return valid, errors
+
+
+#: The keys a schedule may have in a schedule file, each a register_schedule() argument.
+_FILE_KEYS = {
+    "task", "cron", "every", "timezone", "args", "kwargs", "options", "queue", "grace", "max_runtime",
+    "after", "triggered", "inline_cap", "daily_cap", "dedupe_window",
+}  # fmt: skip
+
+
+def load_schedule_file(path: str, app: Celery) -> tuple[list[ScheduleDefinition], list[InvalidSchedule]]:
+    """Read schedules kept as code in a TOML file: one ``[schedules.NAME]`` table each, with
+    the arguments of :func:`register_schedule` (``every`` for an interval in seconds)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as handle:
+            document = tomllib.load(handle)
+    except OSError as exc:
+        return [], [InvalidSchedule(f"schedule file {path}: cannot be read: {exc.strerror}")]
+    except tomllib.TOMLDecodeError as exc:
+        return [], [InvalidSchedule(f"schedule file {path}: not valid TOML: {exc}")]
+    tables = document.get("schedules", {})
+    if not isinstance(tables, dict):
+        return [], [InvalidSchedule(f"schedule file {path}: [schedules] must be a table of tables")]
+    definitions, errors = [], []
+    for name, entry in tables.items():
+        try:
+            if not isinstance(entry, dict) or not isinstance(entry.get("task"), str):
+                raise InvalidSchedule(f"schedule {name!r} needs a task name")
+            unknown = set(entry) - _FILE_KEYS
+            if unknown:
+                raise InvalidSchedule(f"schedule {name!r}: unknown key(s) {', '.join(sorted(unknown))}")
+            if "cron" in entry and "every" in entry:
+                raise InvalidSchedule(f"schedule {name!r}: give cron or every, not both")
+            fields = {key: value for key, value in entry.items() if key not in ("task", "cron", "every")}
+            definitions.append(
+                make_definition(entry["task"], entry.get("cron", entry.get("every")), name=name, app=app, **fields)
+            )
+        except InvalidSchedule as exc:
+            errors.append(InvalidSchedule(f"schedule file {path}: {exc}"))
+        except TypeError as exc:
+            errors.append(InvalidSchedule(f"schedule file {path}: schedule {name!r}: {exc}"))
+    return definitions, errors
 
 
 def validate(definition: ScheduleDefinition) -> ScheduleDefinition:

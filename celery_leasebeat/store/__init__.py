@@ -28,11 +28,11 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, and_, case, create_engine, delete, event, or_, select
+from sqlalchemy import Connection, and_, case, create_engine, delete, event, func, or_, select
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError, ProgrammingError
 
-from ..errors import DatabaseConflict, DatabaseUnavailable, UnknownSchedule
+from ..errors import DatabaseConflict, DatabaseUnavailable, SpendCapExceeded, UnknownJob, UnknownSchedule
 from ..timing import Spec, occurrences_between
 from .dialects import (
     claim_statement,
@@ -905,6 +905,100 @@ class Store:
                 count = found.get(row.schedule, (0, ""))[0]
                 found[row.schedule] = (count + 1, row.alert or f"{row.state}: {row.error}")
         return found
+
+    # -- triggered runs (HTTP API) ---------------------------------------------------------
+
+    @_translate_errors
+    def begin_trigger(
+        self, name: str, *, dedupe_key: str | None = None, overall_daily_cap: int | None = None, source: str = "api"
+    ) -> tuple[datetime, str | None]:
+        """Prepare a triggered run of *name*: returns (now, the id of an existing job it
+        collapses into) or (now, None) after making the schedule due now, to be claimed.
+
+        A trigger collapses into the job created with the same *dedupe_key*, into the last
+        job of the schedule's dedupe window, and into the run in flight (one run per schedule
+        at a time). A new run beyond a daily cap (the schedule's, or *overall_daily_cap* over
+        all triggered runs of *source*) raises :class:`SpendCapExceeded`.
+        """
+        s = self.tables.schedules
+        with self._transaction() as connection:
+            now = self._now(connection)
+            row = connection.execute(select(s).where(s.c.name == name)).one_or_none()
+            if row is None:
+                raise UnknownSchedule(f"no schedule named {name!r}")
+            existing = self._existing_job(connection, row, now, dedupe_key)
+            if existing is not None:
+                return now, existing
+            self._check_caps(connection, row, now, overall_daily_cap, source)
+            connection.execute(
+                s.update()
+                .where(s.c.name == name, or_(s.c.lease_until.is_(None), s.c.lease_until < now))
+                .values(next_run_at=now, updated_at=now)
+            )
+        return now, None
+
+    @_translate_errors
+    def existing_job(self, name: str, dedupe_key: str | None = None) -> str | None:
+        """The job a trigger of *name* collapses into right now, if any."""
+        s = self.tables.schedules
+        with self._transaction() as connection:
+            now = self._now(connection)
+            row = connection.execute(select(s).where(s.c.name == name)).one_or_none()
+            if row is None:
+                raise UnknownSchedule(f"no schedule named {name!r}")
+            return self._existing_job(connection, row, now, dedupe_key)
+
+    def _existing_job(self, connection: Connection, row: Any, now: datetime, dedupe_key: str | None) -> str | None:
+        r = self.tables.runs
+        if dedupe_key is not None:
+            found = connection.execute(select(r.c.id).where(r.c.dedupe_key == dedupe_key)).scalar_one_or_none()
+            if found is not None:
+                return str(found)
+        if row.dedupe_seconds:
+            found = connection.execute(
+                select(r.c.id)
+                .where(r.c.schedule == row.name, r.c.claimed_at >= now - timedelta(seconds=row.dedupe_seconds))
+                .order_by(r.c.claimed_at.desc())
+                .limit(1)
+            ).scalar_one_or_none()
+            if found is not None:
+                return str(found)
+        if row.lease_token is not None and row.lease_until is not None and row.lease_until >= now:
+            found = connection.execute(
+                select(r.c.id).where(r.c.schedule == row.name, r.c.lease_token == row.lease_token)
+            ).scalar_one_or_none()
+            if found is not None:
+                return str(found)
+        return None
+
+    def _check_caps(self, connection: Connection, row: Any, now: datetime, overall: int | None, source: str) -> None:
+        r = self.tables.runs
+        day = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        retry_after = max(1, int((day + timedelta(days=1) - now).total_seconds()) + 1)
+        today = select(func.count()).select_from(r).where(r.c.source == source, r.c.claimed_at >= day)
+        if row.daily_cap is not None:
+            used = connection.execute(today.where(r.c.schedule == row.name)).scalar_one()
+            if used >= row.daily_cap:
+                raise SpendCapExceeded(
+                    f"schedule {row.name!r} reached its daily cap of {row.daily_cap} triggered runs",
+                    retry_after=retry_after,
+                    scope="job_type",
+                )
+        if overall is not None:
+            used = connection.execute(today).scalar_one()
+            if used >= overall:
+                raise SpendCapExceeded(
+                    f"the daily cap of {overall} triggered runs is reached", retry_after=retry_after, scope="overall"
+                )
+
+    @_translate_errors
+    def get_run(self, run_id: str) -> dict[str, Any]:
+        r = self.tables.runs
+        with self._transaction() as connection:
+            row = connection.execute(select(r).where(r.c.id == run_id)).one_or_none()
+        if row is None:
+            raise UnknownJob(f"no job with id {run_id!r}")
+        return dict(row._mapping)
 
     # -- beat replicas ---------------------------------------------------------------------
 

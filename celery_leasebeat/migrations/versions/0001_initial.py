@@ -86,9 +86,7 @@ def upgrade(prefix: str, schema: str | None) -> None:
     op.create_index(f"ix_{prefix}runs_finished_at", f"{prefix}runs", ["finished_at"], schema=schema)
     op.create_index(f"ix_{prefix}runs_state", f"{prefix}runs", ["state"], schema=schema)
     op.create_index(f"ix_{prefix}runs_dedupe_key", f"{prefix}runs", ["dedupe_key"], unique=True, schema=schema)
-    op.create_index(
-        f"ix_{prefix}runs_source_claimed_at", f"{prefix}runs", ["source", "claimed_at"], schema=schema
-    )
+    op.create_index(f"ix_{prefix}runs_source_claimed_at", f"{prefix}runs", ["source", "claimed_at"], schema=schema)
     op.create_table(
         f"{prefix}replicas",
         sa.Column("name", sa.String(255), primary_key=True),
