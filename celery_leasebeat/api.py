@@ -28,7 +28,7 @@ from .config import LeaseBeatConfig
 from .dispatcher import BrokerUnavailable, Dispatcher
 from .errors import ConfigurationError, DatabaseUnavailable, SpendCapExceeded, UnknownJob, UnknownSchedule
 from .metrics import metrics
-from .recorder import HEADER_INLINE_CAP, HEADER_OCCURRENCE, HEADER_SCHEDULE, HEADER_TOKEN
+from .recorder import HEADER_INLINE_CAP, HEADER_OCCURRENCE, HEADER_SCHEDULE, HEADER_TOKEN, wrap_tasks
 from .store import ClaimedRun, RunState
 
 PREFIX = "/internal/jobs"
@@ -112,6 +112,7 @@ def create_api(celery_app: Any) -> FastAPI:
     config = LeaseBeatConfig.from_app(celery_app)
     tokens = bearer_tokens(config)
     store = store_for(celery_app)
+    wrap_tasks(celery_app)  # inline jobs run in this process: fence and record them like a worker
     owner = f"api:{socket.gethostname()}:{os.getpid()}"
 
     def authenticate(authorization: str | None = Header(default=None)) -> None:
