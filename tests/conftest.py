@@ -79,3 +79,22 @@ def drop_tables(store: Store) -> None:
     assert not inspect(store.engine).has_table(store.tables.schedules.name)
     store.dispose()
     assert checked_out == 0, f"{checked_out} connection(s) left checked out"
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
+    """Start real beat and worker processes (tests/cluster.py); stop them and drop their
+    tables afterwards."""
+    from .cluster import Cluster
+
+    clusters: list[Cluster] = []
+
+    def make(broker: str, database: str, **env: str) -> Cluster:
+        cluster = Cluster(tmp_path, broker, database, **env)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop_all()
+        drop_tables(cluster.store)

@@ -4,133 +4,21 @@ real databases: exactly once across replicas, and recovery from killed processes
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from celery_leasebeat.store import RunState, Store
+from celery_leasebeat.store import RunState
 
-from .conftest import MYSQL_URL, POSTGRES_URL, RABBITMQ_URL, REDIS_URL, drop_tables, require_server, sqlite_url
+from .cluster import Cluster, free_port, scrape, services
+from .conftest import sqlite_url
 
 pytestmark = pytest.mark.e2e
-
-E2E_DIR = Path(__file__).parent / "e2e"
-
-
-class Cluster:
-    """Real beat replicas and workers of ``tests/e2e/e2eapp.py``, sharing one environment."""
-
-    def __init__(self, tmp_path: Path, broker: str, database: str, **env: str) -> None:
-        self.tmp_path = tmp_path
-        self.record = tmp_path / "record.jsonl"
-        self.record.touch()
-        self.prefix = f"e{uuid.uuid4().hex[:10]}_"
-        self.store = Store(database, table_prefix=self.prefix)
-        self.env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(E2E_DIR), os.environ.get("PYTHONPATH", "")]),
-            "E2E_BROKER": broker,
-            "E2E_DATABASE": database,
-            "E2E_PREFIX": self.prefix,
-            "E2E_RECORD": str(self.record),
-            "E2E_QUEUE": f"q-{self.prefix}",
-            **env,
-        }
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-
-    def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp_path / f"{name}.log", "wb")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "e2eapp", *args],
-            cwd=self.tmp_path,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        self.processes[name] = process
-        return process
-
-    def beat(self, name: str, scheduler: str = "leasebeat") -> subprocess.Popen[bytes]:
-        return self._start(name, "beat", "-S", scheduler, "-l", "info", "-s", str(self.tmp_path / f"{name}-schedule"))
-
-    def worker(self, name: str, concurrency: int = 2) -> subprocess.Popen[bytes]:
-        return self._start(
-            name,
-            "worker",
-            "-l",
-            "info",
-            "-c",
-            str(concurrency),
-            "-n",
-            f"{name}-{self.prefix}@%h",
-            "-Q",
-            self.env["E2E_QUEUE"],
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-        )
-
-    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
-        process = self.processes[name]
-        if process.poll() is None:
-            process.send_signal(sig)
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    def stop_all(self) -> None:
-        for name in list(self.processes):
-            self.stop(name)
-
-    def events(self) -> list[dict]:
-        return [json.loads(line) for line in self.record.read_text().splitlines() if line.strip()]
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"----- {path.name}\n{path.read_text(errors='replace')[-6000:]}"
-            for path in sorted(self.tmp_path.glob("*.log"))
-        )
-
-    def wait_for(self, predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
-
-
-@pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator:
-    clusters: list[Cluster] = []
-
-    def make(broker: str, database: str, **env: str) -> Cluster:
-        cluster = Cluster(tmp_path, broker, database, **env)
-        clusters.append(cluster)
-        return cluster
-
-    yield make
-    for cluster in clusters:
-        cluster.stop_all()
-        drop_tables(cluster.store)
-
-
-def _services(broker: str, database: str) -> tuple[str, str]:
-    urls = {"redis": REDIS_URL, "rabbitmq": RABBITMQ_URL, "postgresql": POSTGRES_URL, "mysql": MYSQL_URL}
-    require_server(urls[broker], broker)
-    require_server(urls[database], database)
-    return urls[broker], urls[database]
 
 
 def _assert_every_occurrence_once(cluster: Cluster, schedules: list[str], minimum: int) -> dict[str, int]:
@@ -162,7 +50,7 @@ def _assert_every_occurrence_once(cluster: Cluster, schedules: list[str], minimu
 def test_three_replicas_dispatch_every_occurrence_exactly_once_and_survive_a_sigkill(
     make_cluster, broker: str, database: str
 ) -> None:
-    broker_url, database_url = _services(broker, database)
+    broker_url, database_url = services(broker, database)
     cluster = make_cluster(broker_url, database_url, E2E_EVERY_SECOND="alpha,beta")
     cluster.worker("worker", concurrency=4)
     for name in ("beat1", "beat2", "beat3"):
@@ -186,7 +74,7 @@ def test_three_replicas_dispatch_every_occurrence_exactly_once_and_survive_a_sig
 
 
 def test_a_worker_killed_mid_task_is_redispatched_after_lease_expiry_and_recorded_once(make_cluster) -> None:
-    broker_url, database_url = _services("redis", "postgresql")
+    broker_url, database_url = services("redis", "postgresql")
     cluster = make_cluster(broker_url, database_url, E2E_SLOW="*/20 * * * * *", E2E_SLOW_SECONDS="4", E2E_LEASE="3")
     cluster.worker("worker1", concurrency=1)
     cluster.beat("beat1")
@@ -211,7 +99,7 @@ def test_a_worker_killed_mid_task_is_redispatched_after_lease_expiry_and_recorde
 
 
 def test_an_existing_beat_schedule_runs_unchanged(make_cluster, tmp_path: Path) -> None:
-    broker_url, _ = _services("redis", "postgresql")
+    broker_url, _ = services("redis", "postgresql")
     cluster = make_cluster(broker_url, sqlite_url(tmp_path), E2E_BEAT_SCHEDULE="1")
     cluster.worker("worker")
     cluster.beat("beat1", scheduler="celery_leasebeat.LeaseScheduler")  # the full path works too
@@ -251,31 +139,9 @@ def test_bad_input_stops_beat_with_a_message_naming_it(make_cluster, tmp_path: P
     assert not (tmp_path / "leasebeat.sqlite").exists()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _scrape(port: int) -> dict[str, float]:
-    """Prometheus text as {"name{labels}": value}."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            samples[key] = float(value)
-    return samples
-
-
 def test_metrics_from_a_real_beat_and_a_real_prefork_worker(make_cluster) -> None:
-    broker_url, database_url = _services("redis", "postgresql")
-    beat_port, worker_port = _free_port(), _free_port()
+    broker_url, database_url = services("redis", "postgresql")
+    beat_port, worker_port = free_port(), free_port()
     cluster = make_cluster(
         broker_url,
         database_url,
@@ -291,7 +157,7 @@ def test_metrics_from_a_real_beat_and_a_real_prefork_worker(make_cluster) -> Non
     time.sleep(2)
     pids = {e["pid"] for e in cluster.events()}
     assert len(pids) >= 2, "the runs did not spread over pool children"
-    worker = _scrape(worker_port)
+    worker = scrape(worker_port)
     for name in ("alpha", "beta", "gamma"):
         succeeded = [r for r in cluster.store.list_runs(name) if r["state"] == RunState.SUCCEEDED]
         # Summed over every pool child: exactly the runs the ledger recorded.
@@ -302,13 +168,13 @@ def test_metrics_from_a_real_beat_and_a_real_prefork_worker(make_cluster) -> Non
 
 
 def test_beat_serves_its_metrics(make_cluster) -> None:
-    broker_url, database_url = _services("redis", "postgresql")
-    port = _free_port()
+    broker_url, database_url = services("redis", "postgresql")
+    port = free_port()
     cluster = make_cluster(broker_url, database_url, E2E_EVERY_SECOND="alpha", E2E_METRICS_PORT=str(port))
     cluster.worker("worker")
     cluster.beat("beat1")
     cluster.wait_for(lambda: len(cluster.events()) >= 3, 60, "three runs")
-    beat = _scrape(port)
+    beat = scrape(port)
     assert beat["leasebeat_claims_total"] >= 3
     assert beat['leasebeat_dispatch_lag_seconds_count{schedule="alpha"}'] >= 3
     assert beat['leasebeat_dispatch_lag_seconds_bucket{le="1.0",schedule="alpha"}'] >= 3
@@ -318,8 +184,8 @@ def test_beat_serves_its_metrics(make_cluster) -> None:
 def test_flower_shows_each_run_with_its_schedule_and_occurrence(make_cluster) -> None:
     import urllib.request
 
-    broker_url, database_url = _services("redis", "postgresql")
-    port = _free_port()
+    broker_url, database_url = services("redis", "postgresql")
+    port = free_port()
     cluster = make_cluster(broker_url, database_url, E2E_EVERY_SECOND="alpha", FLOWER_UNAUTHENTICATED_API="true")
     cluster._start("flower", "flower", f"--port={port}", "--address=127.0.0.1")
     worker = cluster._start(

@@ -74,3 +74,34 @@ for name in filter(None, os.environ.get("E2E_EVERY_SECOND", "").split(",")):
     register_schedule(record, "* * * * * *", name=name, args=[name])
 if os.environ.get("E2E_SLOW"):
     register_schedule(slow, os.environ["E2E_SLOW"], name="slow", args=[float(os.environ.get("E2E_SLOW_SECONDS", "5"))])
+
+
+@app.task(bind=True)
+def sweep(self, cap: int) -> int:
+    """An inline job: does at most *cap* units of work and says how many."""
+    _write("run", self)
+    return min(cap, 25)
+
+
+@app.task(bind=True)
+def cluster(self, fail: bool = False) -> str:
+    _write("run", self)
+    if fail:
+        raise RuntimeError("clustering failed")
+    return "clustered"
+
+
+if os.environ.get("E2E_API") == "1":
+    register_schedule(record, None, name="reindex", triggered=True, args=["reindex"])
+    register_schedule(sweep, None, name="sweep", triggered=True, inline_cap=40)
+    register_schedule(cluster, None, name="clustering", triggered=True)
+    register_schedule(record, None, name="rollup", after="clustering", args=["rollup"])
+    register_schedule(cluster, None, name="clustering-bad", triggered=True, kwargs={"fail": True})
+    register_schedule(record, None, name="rollup-bad", after="clustering-bad", args=["rollup-bad"])
+    register_schedule(record, None, name="batch-reindex", triggered=True, queue=f"{app.conf.task_default_queue}-batch")
+    remote = os.environ.get("E2E_REMOTE_URL", "http://127.0.0.1:1")
+    register_schedule("celery_leasebeat.call_job", None, name="remote-sweep", triggered=True, args=[remote, "sweep"])
+    register_schedule(
+        "celery_leasebeat.call_job", None, name="remote-reindex", triggered=True, args=[remote, "reindex"],
+        kwargs={"poll_interval": 0.2, "timeout": 30},
+    )  # fmt: skip
