@@ -26,7 +26,14 @@ from . import __version__
 from .binding import store_for
 from .config import LeaseBeatConfig
 from .dispatcher import BrokerUnavailable, Dispatcher
-from .errors import ConfigurationError, DatabaseUnavailable, SpendCapExceeded, UnknownJob, UnknownSchedule
+from .errors import (
+    ConfigurationError,
+    DatabaseUnavailable,
+    SchedulePaused,
+    SpendCapExceeded,
+    UnknownJob,
+    UnknownSchedule,
+)
 from .metrics import metrics
 from .recorder import HEADER_INLINE_CAP, HEADER_OCCURRENCE, HEADER_SCHEDULE, HEADER_TOKEN, wrap_tasks
 from .store import ClaimedRun, RunState
@@ -149,6 +156,7 @@ def create_api(celery_app: Any) -> FastAPI:
             400: {"model": Problem, "description": "The request had a body."},
             401: {"model": Problem},
             404: {"model": Problem, "description": "No schedule of that name."},
+            409: {"model": Problem, "description": "The schedule is paused."},
             429: {"model": Problem, "description": "A daily cap is reached; see Retry-After."},
         },
     )
@@ -164,6 +172,8 @@ def create_api(celery_app: Any) -> FastAPI:
             run_id, claim = await run_in_threadpool(_trigger, job_type, idempotency_key)
         except UnknownSchedule:
             raise HTTPException(404, f"no job type {job_type!r}") from None
+        except SchedulePaused:
+            raise HTTPException(409, f"job type {job_type!r} is paused") from None
         except SpendCapExceeded as exc:
             metrics().api_refusals.labels(job_type, f"cap_{exc.scope}").inc()
             return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after)})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
@@ -27,6 +28,8 @@ from .errors import (
     DatabaseUnavailable,
     InvalidSchedule,
     LeaseBeatError,
+    MissingTables,
+    SchedulePaused,
     UnknownSchedule,
 )
 from .lint import describe, lint
@@ -45,6 +48,7 @@ EXIT_INVALID = 4
 EXIT_UNAVAILABLE = 5
 EXIT_LINT_FAILED = 6
 EXIT_BUSY = 7
+EXIT_PAUSED = 8
 
 #: A replica is live when it completed a cycle within this many polling intervals (+10 s).
 LIVE_INTERVALS = 2
@@ -78,7 +82,9 @@ class _State:
 
     @property
     def store(self) -> Store:
-        return store_for(self.app)
+        store = store_for(self.app)
+        store.create_tables = False  # a typo in a URL must not create tables; `migrate` creates them
+        return store
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -93,8 +99,10 @@ def _errors_as_exit_codes(command: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except UnknownSchedule as exc:
+        except (UnknownSchedule, MissingTables) as exc:
             _fail(str(exc), EXIT_NOT_FOUND)
+        except SchedulePaused as exc:
+            _fail(str(exc), EXIT_PAUSED)
         except (InvalidSchedule, ConfigurationError) as exc:
             _fail(str(exc), EXIT_INVALID)
         except DatabaseUnavailable as exc:
@@ -107,7 +115,7 @@ def _errors_as_exit_codes(command: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@click.group(name="leasebeat", help=__doc__)
+@click.group(name="leasebeat", help=__doc__, context_settings={"auto_envvar_prefix": "LEASEBEAT"})
 @click.option(
     "-A", "--app", "app_name", metavar="APP", envvar="LEASEBEAT_APP", help="The Celery app, as for `celery -A`."
 )
@@ -252,10 +260,11 @@ def history_command(
 ) -> None:
     """Runs from the ledger, oldest first."""
     store = state.store
-    if name is not None:
-        store.get_schedule(name)  # an unknown name is an error, not an empty list
     since_at = _parse_since(since, store.now()) if since else None
-    runs = [_run_summary(r) for r in store.list_runs(name, since=since_at, states=outcomes or None, limit=limit)]
+    rows = store.list_runs(name, since=since_at, states=outcomes or None, limit=limit)
+    if name is not None and not rows:
+        store.get_schedule(name)  # a name never seen is an error; a removed schedule keeps its history
+    runs = [_run_summary(r) for r in rows]
     if as_json:
         _print_json(runs)
     else:
@@ -296,12 +305,14 @@ def preview_command(cron: str, zone: str, count: int, start: str | None, as_json
 @_errors_as_exit_codes
 def lint_command(state: _State, as_json: bool) -> None:
     """Validate every registered schedule; warn on suspicious ones. Exits non-zero on an error."""
-    definitions, errors = inspect_definitions(state.app, state.config)
+    app = state.app
+    app.loader.import_default_modules()  # as beat and the worker do: tasks and registrations in `include`
+    definitions, errors = inspect_definitions(app, state.config)
     now = datetime.now(UTC)
     report: list[dict[str, Any]] = [{"name": None, "level": "error", "message": str(error)} for error in errors]
     for definition in definitions:
         spec = definition.spec()
-        if definition.task not in state.app.tasks:
+        if state.config.check_tasks and definition.task not in app.tasks:
             report.append({"name": definition.name, "level": "error", "message": f"unknown task {definition.task!r}"})
         warnings = lint(spec, now)
         for warning in warnings:
@@ -316,7 +327,7 @@ def lint_command(state: _State, as_json: bool) -> None:
     else:
         for item in report:
             click.echo(f"{item['level'].upper():8} {item['name'] or '-'}: {item['message']}")
-        click.echo(f"\n{len(definitions)} schedule(s), {len(errors)} error(s)")
+        click.echo(f"\n{len(definitions)} schedule(s), {sum(i['level'] == 'error' for i in report)} error(s)")
     if failed:
         sys.exit(EXIT_LINT_FAILED)
 
@@ -435,6 +446,7 @@ def migrate_command(state: _State) -> None:
     from .migrations import upgrade
 
     store = state.store
+    store.create_tables = True
     try:
         before, after = upgrade(store)
     except OperationalError as exc:
@@ -454,7 +466,9 @@ def serve_command(state: _State, host: str, port: int) -> None:
 
         from .api import create_api
     except ImportError as exc:
-        _fail(f"the HTTP API needs the api extra: pip install 'celery-leasebeat[api]' ({exc.name} is missing)", EXIT_ERROR)
+        _fail(
+            f"the HTTP API needs the api extra: pip install 'celery-leasebeat[api]' ({exc.name} is missing)", EXIT_ERROR
+        )
     uvicorn.run(create_api(state.app), host=host, port=port, log_level="info")
 
 
@@ -530,15 +544,18 @@ def _safe_preview(spec: Spec, now: datetime, count: int) -> list[datetime]:
         return []
 
 
+_AGE = re.compile(r"([0-9]{1,9})([smhd])", re.ASCII)
+
+
 def _parse_since(text: str, now: datetime) -> datetime:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    if text[-1:] in units and text[:-1].isdigit():
-        return now - timedelta(seconds=int(text[:-1]) * units[text[-1]])
+    age = _AGE.fullmatch(text.strip())
     try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
+        if age:
+            units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+            return now - timedelta(seconds=int(age.group(1)) * units[age.group(2)])
+        return utc(datetime.fromisoformat(text))
+    except (ValueError, OverflowError):
         raise InvalidSchedule(f"--since must be an ISO-8601 time or an age like 12h or 7d, got {text!r}") from None
-    return utc(moment)
 
 
 def _host() -> str:
@@ -564,4 +581,4 @@ def _print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> 
 
 def main() -> None:
     """The ``leasebeat`` console script."""
-    leasebeat(auto_envvar_prefix="LEASEBEAT")
+    leasebeat()

@@ -37,7 +37,8 @@ DEFAULT_TABLE_PREFIX = "leasebeat_"
 #: The history purge (off unless leasebeat_history_retention_days is set) deletes at most
 #: this many ledger rows per run: a backlog drains over several runs, none of them long.
 DEFAULT_PURGE_BATCH_SIZE = 10_000
-DEFAULT_PURGE_CRON = "17 4 * * *"
+#: Hourly, so a busy ledger (a per-second schedule adds 86,400 rows a day) keeps up.
+DEFAULT_PURGE_CRON = "17 * * * *"
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -46,9 +46,9 @@ class Dispatcher:
             if claim.grace_seconds is not None and claim.attempt == 1 and late > claim.grace_seconds:
                 reason = f"not claimed within its grace of {claim.grace_seconds:g}s (claimed {late:.0f}s late)"
                 logger.warning("beat: %s recorded as missed: %s", claim.label, reason)
-                self.store.give_up(claim, now, reason, outcome=RunState.MISSED)
+                finished = self.store.give_up(claim, now, reason, outcome=RunState.MISSED)
                 metrics().runs.labels(claim.schedule, RunState.MISSED).inc()
-                metrics().missed.labels(claim.schedule).inc()
+                metrics().missed.labels(claim.schedule).inc(1 + finished.missed)
                 continue
             if claim.attempt > self.config.max_attempts:
                 reason = (
@@ -126,14 +126,15 @@ class Dispatcher:
                 "celery_beat_task": True,
             }
         )
-        for reserved in ("task_id", "producer", "shadow"):
+        for reserved in ("task_id", "producer", "kwargsrepr"):
             options.pop(reserved, None)
         arguments = dict(
             task_id=claim.run_id,
             headers=headers,
             producer=producer,
-            # Flower and worker logs show this name: schedule and occurrence at a glance.
-            shadow=f"{claim.task}[{claim.label}]",
+            # What Flower and worker logs show as the kwargs: the schedule and occurrence at a
+            # glance, while the task keeps its own name (Flower filters and labels by name).
+            kwargsrepr=f"{claim.kwargs!r} [leasebeat {claim.label}]",
             **options,
         )
         task = self.app.tasks.get(claim.task)

@@ -27,6 +27,14 @@ class UnknownSchedule(LeaseBeatError):
     """No schedule of that name exists in the schedule table."""
 
 
+class MissingTables(LeaseBeatError):
+    """The database has no leasebeat tables (and this caller must not create them)."""
+
+
+class SchedulePaused(LeaseBeatError):
+    """The schedule is paused: it cannot be triggered until it is resumed."""
+
+
 class UnknownJob(LeaseBeatError):
     """No run with that id exists in the ledger."""
 

@@ -1,7 +1,7 @@
 """The package's own first schedule: the ledger retention purge.
 
 It is registered only when ``leasebeat_history_retention_days`` is set; it then runs on
-``leasebeat_purge_cron`` (04:17 UTC by default) through the scheduler like any other
+``leasebeat_purge_cron`` (hourly at :17 by default) through the scheduler like any other
 schedule, deleting at most ``leasebeat_purge_batch_size`` rows per run.
 """
 

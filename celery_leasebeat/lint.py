@@ -55,7 +55,9 @@ def lint(spec: Spec, now: datetime) -> list[str]:
     frequent = seconds == ["*"] or len(seconds) > 1
     if frequent:
         warnings.append("fires more than once a minute")
-    if days != ["*"]:
+    weekdays = fields[4]
+    # Standard cron with a weekday too: a day runs if either field matches, so no month is empty.
+    if days != ["*"] and not (spec.day_or and weekdays != ["*"]):
         chosen_months = set(range(1, 13)) if months == ["*"] else {m for m in months if isinstance(m, int)}
         for day in sorted({d for d in days if isinstance(d, int) and d >= 29}):
             missing = sorted(chosen_months & _SHORT_MONTHS[day])

@@ -22,7 +22,7 @@ from typing import Any
 logger = logging.getLogger("celery_leasebeat.metrics")
 
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, float("inf"))
-_LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
+_LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600, float("inf"))
 _lock = threading.Lock()
 
 
@@ -96,9 +96,10 @@ def serve_beat_metrics(port: int, address: str = "0.0.0.0") -> Any:
 def prepare_worker_multiprocess() -> str:
     """Choose multiprocess mode for a worker, before any metric exists; return the folder."""
     folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if not folder:
-        folder = tempfile.mkdtemp(prefix="leasebeat-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    if folder:
+        return folder  # the user's: prometheus-client chose multiprocess mode at import
+    folder = tempfile.mkdtemp(prefix="leasebeat-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
     from prometheus_client import values
 
     values.ValueClass = values.get_value_class()  # re-read the variable just set

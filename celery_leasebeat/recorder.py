@@ -345,7 +345,7 @@ def _on_task_failure(sender: Any = None, task_id: str | None = None, exception: 
     if getattr(request, "id", None) == task_id:
         token = _header(request, getattr(request, "headers", None) or {}, HEADER_TOKEN)
     try:
-        store_for(sender.app).fail_run(
+        finished = store_for(sender.app).fail_run(
             run_id=task_id,
             error=f"{type(exception).__name__}: {exception}",
             token=token,
@@ -353,6 +353,9 @@ def _on_task_failure(sender: Any = None, task_id: str | None = None, exception: 
         )
     except Exception as exc:
         logger.error("leasebeat: could not record the failure of task %s: %s", task_id, exc)
+        return
+    if finished and finished.schedule is not None:
+        metrics().runs.labels(finished.schedule, RunState.FAILED).inc()
 
 
 def connect_signals() -> None:

@@ -133,6 +133,12 @@ def test_a_body_unknown_types_and_unknown_jobs(app: Celery) -> None:
     assert client.get(f"/internal/jobs/{uuid.uuid4()}", headers=auth()).status_code == 404
 
 
+def test_a_paused_job_type_is_409(app: Celery) -> None:
+    client = client_for(app)
+    app._leasebeat_store.set_enabled("reindex", False)  # type: ignore[attr-defined]
+    assert client.post("/internal/jobs/reindex", headers=auth()).status_code == 409
+
+
 def test_queued_job_then_its_status(app: Celery) -> None:
     client = client_for(app)
     response = client.post("/internal/jobs/reindex", headers=auth())

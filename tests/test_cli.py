@@ -23,12 +23,13 @@ from celery_leasebeat.cli import (
     EXIT_INVALID,
     EXIT_LINT_FAILED,
     EXIT_NOT_FOUND,
+    EXIT_PAUSED,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     leasebeat,
 )
 from celery_leasebeat.registry import collect_definitions
-from celery_leasebeat.store import RunState, Store
+from celery_leasebeat.store import RunState, ScheduleDefinition, Store
 
 from .conftest import drop_tables
 
@@ -199,6 +200,41 @@ def test_unreachable_database_is_one_line_and_exit_5() -> None:
     assert result.output.count("\n") == 1 and result.output.startswith("leasebeat: database ")
 
 
+def test_trigger_refuses_a_paused_schedule(app: Celery) -> None:
+    synced(app)
+    run(app, "pause", "nightly")
+    result = run(app, "trigger", "nightly")
+    assert result.exit_code == EXIT_PAUSED and "is paused" in result.output
+    assert app._leasebeat_store.get_schedule("nightly")["next_run_at"].year > 2000  # type: ignore[attr-defined]
+    assert app._leasebeat_store.list_runs("nightly") == []  # type: ignore[attr-defined]
+
+
+def test_bad_since_is_one_line_and_exit_4(app: Celery) -> None:
+    synced(app)
+    for since in ("99999999999d", "²h", "yesterday"):
+        result = run(app, "history", "--since", since)
+        assert result.exit_code == EXIT_INVALID and result.output.startswith("leasebeat: --since must be"), since
+
+
+def test_read_commands_never_create_tables(database_url: str, table_prefix: str) -> None:
+    app = Celery("cli-empty", broker="memory://", set_as_current=False)
+    app.conf.update(leasebeat_database_url=database_url, leasebeat_table_prefix=table_prefix)
+    result = run(app, "list")
+    assert result.exit_code == EXIT_NOT_FOUND and "no leasebeat tables" in result.output
+    store = Store(database_url, table_prefix=table_prefix)
+    from sqlalchemy import inspect
+
+    assert not inspect(store.engine).has_table(store.tables.schedules.name)
+    store.dispose()
+
+
+def test_history_of_a_removed_schedule_is_kept(app: Celery) -> None:
+    store = synced(app)
+    run_once(store, "often")
+    store.sync([], remove_missing=True)  # the schedules are gone from the code
+    assert [r["schedule"] for r in json.loads(run(app, "history", "often", "--json").output)] == ["often"]
+
+
 def test_no_app_is_a_usage_error() -> None:
     result = CliRunner().invoke(leasebeat, ["list"])
     assert result.exit_code == EXIT_USAGE and "pass -A/--app" in result.output
@@ -231,14 +267,27 @@ def test_real_processes_with_environment_variables(tmp_path: Path) -> None:
     assert migrate.returncode == 0, migrate.stderr
     lint = subprocess.run([LEASEBEAT, "lint", "--json"], env=env, capture_output=True, text=True, timeout=60)
     assert lint.returncode == 0 and json.loads(lint.stdout)["ok"] is True
+    store = Store(env["E2E_DATABASE"])
+    store.sync([ScheduleDefinition(name="alpha", task="e2eapp.record", kind="cron", cron="* * * * * *")])
+    for _ in range(3):
+        run_once(store, "alpha")
+    store.dispose()
     history = subprocess.run(
         [LEASEBEAT, "history", "--json"],
-        env={**env, "LEASEBEAT_HISTORY_LIMIT": "5"},
+        env={**env, "LEASEBEAT_HISTORY_LIMIT": "2"},
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert history.returncode == 0 and json.loads(history.stdout) == []
+    assert history.returncode == 0 and len(json.loads(history.stdout)) == 2  # the variable was read
+    via_celery = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "e2eapp", "leasebeat", "history", "--json"],
+        env={**env, "LEASEBEAT_HISTORY_LIMIT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert via_celery.returncode == 0 and len(json.loads(via_celery.stdout)) == 1, via_celery.stderr
     through_celery = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "e2eapp", "leasebeat", "status", "--json"],
         env=env,

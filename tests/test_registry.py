@@ -98,3 +98,41 @@ def test_configured_override_applies_and_a_missing_cron_is_an_error(app: Celery)
 def test_non_json_arguments_are_refused_naming_the_schedule(app: Celery) -> None:
     with pytest.raises(InvalidSchedule, match="'odd'.*args"):
         register_schedule("proj.purge", "* * * * *", name="odd", args=[object()], app=app)
+
+
+def test_schedules_kept_as_code_in_a_toml_file(app: Celery, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    schedule_file = tmp_path / "leasebeat.toml"
+    schedule_file.write_text(
+        """
+[schedules.nightly-purge]
+task = "proj.purge"
+cron = "15 3 * * *"
+timezone = "Europe/Berlin"
+grace = 600
+
+[schedules.every-ten]
+task = "proj.purge"
+every = 10
+queue = "batch"
+
+[schedules.rollup]
+task = "proj.purge"
+after = "nightly-purge"
+"""
+    )
+    found = {d.name: d for d in collect_definitions(app, LeaseBeatConfig(schedule_file=str(schedule_file)))}
+    assert found["nightly-purge"].cron == "15 3 * * *" and found["nightly-purge"].grace_seconds == 600
+    assert found["every-ten"].interval_seconds == 10 and found["every-ten"].options == {"queue": "batch"}
+    assert found["rollup"].kind == "triggered" and found["rollup"].after == "nightly-purge"
+
+
+def test_a_bad_schedule_file_is_named_with_the_schedule(app: Celery, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    schedule_file = tmp_path / "leasebeat.toml"
+    schedule_file.write_text('[schedules.typo]\ntask = "proj.purge"\ncron = "61 * * * *"\ncolour = "red"\n')
+    with pytest.raises(InvalidSchedule, match=r"leasebeat.toml: schedule 'typo': unknown key\(s\) colour"):
+        collect_definitions(app, LeaseBeatConfig(schedule_file=str(schedule_file)))
+    schedule_file.write_text('[schedules.typo]\ntask = "proj.purge"\ncron = "61 * * * *"\n')
+    with pytest.raises(InvalidSchedule, match=r"leasebeat.toml: schedule 'typo': invalid cron expression '61"):
+        collect_definitions(app, LeaseBeatConfig(schedule_file=str(schedule_file)))
+    with pytest.raises(InvalidSchedule, match="cannot be read"):
+        collect_definitions(app, LeaseBeatConfig(schedule_file=str(tmp_path / "missing.toml")))

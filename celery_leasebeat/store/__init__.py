@@ -28,11 +28,19 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, and_, case, create_engine, delete, event, func, or_, select
+from sqlalchemy import Connection, and_, case, create_engine, delete, event, func, inspect, or_, select
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError, ProgrammingError
 
-from ..errors import DatabaseConflict, DatabaseUnavailable, SpendCapExceeded, UnknownJob, UnknownSchedule
+from ..errors import (
+    DatabaseConflict,
+    DatabaseUnavailable,
+    MissingTables,
+    SchedulePaused,
+    SpendCapExceeded,
+    UnknownJob,
+    UnknownSchedule,
+)
 from ..timing import Spec, occurrences_between
 from .dialects import (
     claim_statement,
@@ -118,6 +126,9 @@ class Store:
         self._engine_options = dict(engine_options or {})
         self._engine: Engine | None = None
         self._schema_ready = False
+        #: Whether first use creates missing tables (beat and workers) or reports them
+        #: missing (the CLI, where a wrong URL must not create anything).
+        self.create_tables = True
 
     # -- connection management -------------------------------------------------------
 
@@ -153,6 +164,14 @@ class Store:
     def ensure_schema(self) -> None:
         """Create the tables if they do not exist (first use, never at import)."""
         if self._schema_ready:
+            return
+        if not self.create_tables:
+            if not inspect(self.engine).has_table(self.tables.schedules.name, schema=self.tables.metadata.schema):
+                raise MissingTables(
+                    f"no leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}): start beat once or "
+                    f"run `leasebeat migrate`"
+                )
+            self._schema_ready = True
             return
         try:
             self.tables.metadata.create_all(self.engine, checkfirst=True)
@@ -489,7 +508,7 @@ class Store:
         return released
 
     @_translate_errors
-    def give_up(self, claim: ClaimedRun, now: datetime, reason: str, outcome: str = RunState.LOST) -> bool:
+    def give_up(self, claim: ClaimedRun, now: datetime, reason: str, outcome: str = RunState.LOST) -> Finished:
         """Record an occurrence that will not run (lost, or failed to publish) and advance
         its schedule past it (fenced)."""
         next_run_at, missed = advance(claim.spec, claim.occurrence, now)
@@ -519,7 +538,7 @@ class Store:
             )
         if not applied:
             logger.warning("leasebeat: stale give-up of %s@%s ignored", claim.schedule, claim.occurrence.isoformat())
-        return bool(applied)
+        return Finished(applied=bool(applied), missed=missed, next_run_at=next_run_at)
 
     @_translate_errors
     def still_leased(self, leases: Iterable[tuple[str, str]]) -> set[str]:
@@ -620,7 +639,13 @@ class Store:
             now = self._now(connection)
             row = connection.execute(
                 select(
-                    s.c.kind, s.c.cron, s.c.interval_seconds, s.c.timezone, s.c.override_cron, s.c.next_run_at
+                    s.c.kind,
+                    s.c.cron,
+                    s.c.interval_seconds,
+                    s.c.timezone,
+                    s.c.override_cron,
+                    s.c.next_run_at,
+                    s.c.max_runtime_seconds,
                 ).where(s.c.name == schedule, s.c.lease_token == token)
             ).one_or_none()
             if row is None:
@@ -635,6 +660,7 @@ class Store:
             next_run_at, missed = advance(spec, occurrence, now)
             if row.kind == "triggered" and row.next_run_at > occurrence:
                 next_run_at = row.next_run_at  # a newer window was released while this one ran
+            overran = row.max_runtime_seconds is not None and duration_ms / 1000 > row.max_runtime_seconds
             connection.execute(
                 s.update()
                 .where(s.c.name == schedule, s.c.lease_token == token)
@@ -662,6 +688,7 @@ class Store:
                     error=error,
                     missed_count=missed,
                     result=result,
+                    **({"alert": _appended_alert(r, row.max_runtime_seconds, duration_ms)} if overran else {}),
                 )
             )
             self._follow_up(connection, schedule, occurrence, outcome, now)
@@ -675,7 +702,7 @@ class Store:
                 occurrence.isoformat(),
                 next_run_at.isoformat(),
             )
-        return Finished(applied=True, missed=missed, next_run_at=next_run_at)
+        return Finished(applied=True, missed=missed, next_run_at=next_run_at, schedule=schedule)
 
     def _follow_up(self, connection: Connection, upstream: str, window: datetime, outcome: str, now: datetime) -> None:
         """Release the schedules that run after *upstream* for *window*, or record why not."""
@@ -799,21 +826,23 @@ class Store:
 
     @_translate_errors
     def make_due(self, name: str) -> tuple[datetime, datetime | None]:
-        """Make schedule *name* due now (a manual trigger), unless a run holds its lease.
+        """Make schedule *name* due now (a manual trigger), unless a run holds its lease
+        (even an expired one: beat claims that occurrence again first).
 
         Returns (now, lease_until): ``lease_until`` is None when the schedule was made due,
-        else the expiry of the lease that prevented it.
+        else the expiry of the lease that prevented it. A paused schedule raises
+        :class:`SchedulePaused`.
         """
         s = self.tables.schedules
         with self._transaction() as connection:
             now = self._now(connection)
-            row = connection.execute(select(s.c.lease_until).where(s.c.name == name)).one_or_none()
+            row = connection.execute(select(s.c.lease_until, s.c.enabled).where(s.c.name == name)).one_or_none()
             if row is None:
                 raise UnknownSchedule(f"no schedule named {name!r}")
+            if not row.enabled:
+                raise SchedulePaused(f"schedule {name!r} is paused: resume it first")
             changed = connection.execute(
-                s.update()
-                .where(s.c.name == name, or_(s.c.lease_until.is_(None), s.c.lease_until < now))
-                .values(next_run_at=now, updated_at=now)
+                s.update().where(s.c.name == name, s.c.lease_token.is_(None)).values(next_run_at=now, updated_at=now)
             ).rowcount
         return now, None if changed else row.lease_until
 
@@ -828,9 +857,12 @@ class Store:
             if row is None:
                 raise UnknownSchedule(f"no schedule named {name!r}")
             next_run_at: datetime = row.next_run_at
-            if skip_missed and next_run_at <= now:
-                spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron)
-                next_run_at = spec.next_after(now, previous=next_run_at)
+            if next_run_at <= now:
+                if skip_missed:
+                    spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron)
+                    next_run_at = spec.next_after(now, previous=next_run_at)
+                else:
+                    next_run_at = now  # run it now: an operator's resume is not a late claim
             connection.execute(
                 s.update()
                 .where(s.c.name == name)
@@ -848,8 +880,11 @@ class Store:
             select(r, s.c.grace_seconds, s.c.max_runtime_seconds)
             .join(s, s.c.name == r.c.schedule)
             .where(
-                r.c.state.in_([RunState.CLAIMED, RunState.DISPATCHED, RunState.STARTED]),
-                r.c.alert.is_(None),
+                or_(
+                    and_(r.c.state.in_([RunState.CLAIMED, RunState.DISPATCHED]), r.c.alert.is_(None)),
+                    # A run flagged for its late start may still overrun: flagged once more.
+                    and_(r.c.state == RunState.STARTED, or_(r.c.alert.is_(None), r.c.alert.not_like("%runtime%"))),
+                ),
                 or_(s.c.grace_seconds.is_not(None), s.c.max_runtime_seconds.is_not(None)),
             )
         )
@@ -860,8 +895,14 @@ class Store:
                 reason = _overdue_reason(row, now)
                 if reason is None:
                     continue
-                connection.execute(r.update().where(r.c.id == row.id, r.c.alert.is_(None)).values(alert=reason))
-                flagged.append((dict(row._mapping), reason))
+                alert = f"{row.alert}; {reason}" if row.alert else reason
+                written = connection.execute(
+                    r.update()
+                    .where(r.c.id == row.id, r.c.alert.is_(None) if row.alert is None else r.c.alert == row.alert)
+                    .values(alert=alert)
+                ).rowcount
+                if written:  # another replica may have flagged it a moment ago
+                    flagged.append((dict(row._mapping), reason))
         return flagged
 
     @_translate_errors
@@ -929,11 +970,11 @@ class Store:
             existing = self._existing_job(connection, row, now, dedupe_key)
             if existing is not None:
                 return now, existing
+            if not row.enabled:
+                raise SchedulePaused(f"schedule {name!r} is paused")
             self._check_caps(connection, row, now, overall_daily_cap, source)
             connection.execute(
-                s.update()
-                .where(s.c.name == name, or_(s.c.lease_until.is_(None), s.c.lease_until < now))
-                .values(next_run_at=now, updated_at=now)
+                s.update().where(s.c.name == name, s.c.lease_token.is_(None)).values(next_run_at=now, updated_at=now)
             )
         return now, None
 
@@ -1051,6 +1092,16 @@ def advance(spec: Spec, occurrence: datetime, now: datetime) -> tuple[datetime, 
         return following, 0
     missed = occurrences_between(spec, occurrence, now, MAX_MISSED_COUNT)
     return spec.next_after(now, previous=occurrence), missed
+
+
+def _appended_alert(runs: Any, limit: float, duration_ms: int) -> Any:
+    """The ledger's alert with an overrun noted, unless beat already flagged the overrun."""
+    reason = f"ran {duration_ms / 1000:.0f}s, past its maximum runtime of {limit:g}s"
+    return case(
+        (runs.c.alert.is_(None), reason),
+        (runs.c.alert.like("%runtime%"), runs.c.alert),
+        else_=runs.c.alert + "; " + reason,
+    )
 
 
 def _overdue_reason(run: Any, now: datetime) -> str | None:

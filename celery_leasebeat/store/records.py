@@ -135,6 +135,7 @@ class Finished:
     applied: bool
     missed: int = 0
     next_run_at: datetime | None = None
+    schedule: str | None = None
 
     def __bool__(self) -> bool:
         return self.applied
