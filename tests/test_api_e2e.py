@@ -102,3 +102,32 @@ def test_the_http_api_end_to_end(make_cluster: Any) -> None:
     result = wait_for(cluster, lambda: finished(remote_queued), "remote-reindex")
     assert result["status"] == "succeeded" and result["result"]["status"] == "succeeded"
     assert len([r for r in store.list_runs("reindex") if r["state"] == RunState.SUCCEEDED]) == 2
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "no API token"),
+        ({"DEV_AUTH": "1", "LEASEBEAT_ENVIRONMENT": "production"}, "DEV_AUTH=1 is set but the environment is"),
+    ],
+)
+def test_serve_refuses_to_start_without_authentication(tmp_path: Any, env: dict[str, str], expected: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from .cluster import E2E_DIR
+
+    environment = {key: value for key, value in os.environ.items() if key not in ("LEASEBEAT_API_TOKEN", "DEV_AUTH")}
+    environment.update(
+        PYTHONPATH=str(E2E_DIR),
+        E2E_BROKER="memory://",
+        E2E_DATABASE=f"sqlite:///{tmp_path / 'serve.sqlite'}",
+        E2E_RECORD=str(tmp_path / "record.jsonl"),
+        **env,
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "e2eapp", "leasebeat", "serve", "--port", "1"],
+        env=environment, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 4 and expected in result.stderr, result.stderr
