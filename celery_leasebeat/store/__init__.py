@@ -186,6 +186,15 @@ class Store:
         with self.engine.begin() as connection:
             yield connection
 
+    def _schedule_row(self, connection: Connection, name: str, *, lock: bool = False) -> Any:
+        """The schedule row *name* (locked for update with *lock*), or :class:`UnknownSchedule`."""
+        s = self.tables.schedules
+        query = select(s).where(s.c.name == name)
+        row = connection.execute(query.with_for_update() if lock else query).one_or_none()
+        if row is None:
+            raise UnknownSchedule(f"no schedule named {name!r}")
+        return row
+
     def _now(self, connection: Connection) -> datetime:
         value = connection.execute(select(database_now(self.engine))).scalar_one()
         assert isinstance(value, datetime)
@@ -316,9 +325,7 @@ class Store:
         cron = cron.strip() if cron and cron.strip() else None
         with self._transaction() as connection:
             now = self._now(connection)
-            row = connection.execute(select(s).where(s.c.name == name).with_for_update()).one_or_none()
-            if row is None:
-                raise UnknownSchedule(f"no schedule named {name!r}")
+            row = self._schedule_row(connection, name, lock=True)
             old_spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron)
             new_spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, cron)
             if cron is not None:
@@ -783,12 +790,8 @@ class Store:
 
     @_translate_errors
     def get_schedule(self, name: str) -> dict[str, Any]:
-        s = self.tables.schedules
         with self._transaction() as connection:
-            row = connection.execute(select(s).where(s.c.name == name)).one_or_none()
-        if row is None:
-            raise UnknownSchedule(f"no schedule named {name!r}")
-        return dict(row._mapping)
+            return dict(self._schedule_row(connection, name)._mapping)
 
     @_translate_errors
     def list_schedules(self) -> list[dict[str, Any]]:
@@ -836,9 +839,7 @@ class Store:
         s = self.tables.schedules
         with self._transaction() as connection:
             now = self._now(connection)
-            row = connection.execute(select(s.c.lease_until, s.c.enabled).where(s.c.name == name)).one_or_none()
-            if row is None:
-                raise UnknownSchedule(f"no schedule named {name!r}")
+            row = self._schedule_row(connection, name)
             if not row.enabled:
                 raise SchedulePaused(f"schedule {name!r} is paused: resume it first")
             changed = connection.execute(
@@ -853,9 +854,7 @@ class Store:
         s = self.tables.schedules
         with self._transaction() as connection:
             now = self._now(connection)
-            row = connection.execute(select(s).where(s.c.name == name)).one_or_none()
-            if row is None:
-                raise UnknownSchedule(f"no schedule named {name!r}")
+            row = self._schedule_row(connection, name)
             next_run_at: datetime = row.next_run_at
             if next_run_at <= now:
                 if skip_missed:
@@ -964,9 +963,7 @@ class Store:
         s = self.tables.schedules
         with self._transaction() as connection:
             now = self._now(connection)
-            row = connection.execute(select(s).where(s.c.name == name)).one_or_none()
-            if row is None:
-                raise UnknownSchedule(f"no schedule named {name!r}")
+            row = self._schedule_row(connection, name)
             existing = self._existing_job(connection, row, now, dedupe_key)
             if existing is not None:
                 return now, existing
@@ -981,12 +978,9 @@ class Store:
     @_translate_errors
     def existing_job(self, name: str, dedupe_key: str | None = None) -> str | None:
         """The job a trigger of *name* collapses into right now, if any."""
-        s = self.tables.schedules
         with self._transaction() as connection:
             now = self._now(connection)
-            row = connection.execute(select(s).where(s.c.name == name)).one_or_none()
-            if row is None:
-                raise UnknownSchedule(f"no schedule named {name!r}")
+            row = self._schedule_row(connection, name)
             return self._existing_job(connection, row, now, dedupe_key)
 
     def _existing_job(self, connection: Connection, row: Any, now: datetime, dedupe_key: str | None) -> str | None:
