@@ -457,7 +457,6 @@ class Store:
                 upsert(
                     self.engine,
                     r,
-                    ledger,
                     [
                         "state",
                         "attempts",
@@ -470,7 +469,8 @@ class Store:
                         "retries",
                         "error",
                     ],
-                )
+                ),
+                ledger,
             )
         return claims
 

@@ -69,21 +69,23 @@ def insert_ignoring_duplicates(engine: Engine, table: Table) -> Any:
     return mysql.insert(table).prefix_with("IGNORE")
 
 
-def upsert(engine: Engine, table: Table, rows: list[dict[str, Any]], update: list[str]) -> Any:
-    """A multi-row INSERT that overwrites the columns *update* of rows that already exist."""
+def upsert(engine: Engine, table: Table, update: list[str]) -> Any:
+    """An INSERT that overwrites the columns *update* of a row that already exists. Execute
+    it with a list of rows: one cached statement, batched by the driver (a multi-row VALUES
+    clause would be compiled anew for every batch, which costs more than the round trip)."""
     if engine.dialect.name == "postgresql":
-        pg = postgresql.insert(table).values(rows)
+        pg = postgresql.insert(table)
         return pg.on_conflict_do_update(
             index_elements=list(table.primary_key.columns),
             set_={name: pg.excluded[name] for name in update},
         )
     if engine.dialect.name == "sqlite":
-        lite = sqlite.insert(table).values(rows)
+        lite = sqlite.insert(table)
         return lite.on_conflict_do_update(
             index_elements=list(table.primary_key.columns),
             set_={name: lite.excluded[name] for name in update},
         )
-    my = mysql.insert(table).values(rows)
+    my = mysql.insert(table)
     return my.on_duplicate_key_update({name: my.inserted[name] for name in update})
 
 
