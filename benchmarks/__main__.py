@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "started": started.isoformat(),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "timeout": options.timeout,
         "machine": machine(),
         "floor": floor,
         "bursts": [asdict(b) for b in bursts],
@@ -296,7 +297,10 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {entry['rate'] / floor[n]:.0%} |"
             )
         else:
-            lines.append(f"| {n:,} | {entry['scheduler']} | incomplete: {entry['delivered']:,} delivered | – | – |")
+            waited = f" in {report['timeout']:.0f} s" if "timeout" in report else ""
+            lines.append(
+                f"| {n:,} | {entry['scheduler']} | unfinished: {entry['delivered']:,} of {n:,}{waited} | – | – |"
+            )
     lines += ["", "| schedules | publishing floor (msg/s) |", "|---:|---:|"]
     lines += [f"| {n:,} | {rate:,.0f} |" for n, rate in sorted(floor.items())]
     info = report["machine"]
