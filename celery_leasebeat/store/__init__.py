@@ -233,7 +233,7 @@ class Store:
             new_rows: list[dict[str, Any]] = []
             for name, definition in by_name.items():
                 if name not in existing:
-                    new_rows.append(self._definition_values(definition, now, origin=True))
+                    new_rows.append(self._definition_values(definition, now))
                     report.inserted.append(name)
                     continue
                 row = existing[name]
@@ -265,37 +265,9 @@ class Store:
         return report
 
     @staticmethod
-    def _definition_values(definition: ScheduleDefinition, now: datetime, *, origin: bool) -> dict[str, Any]:
-        spec = definition.spec()
+    def _definition_columns(definition: ScheduleDefinition) -> dict[str, Any]:
+        """The columns a definition from code sets; the rest is the schedule's own state."""
         return {
-            "name": definition.name,
-            "task": definition.task,
-            "args": list(definition.args),
-            "kwargs": dict(definition.kwargs),
-            "options": dict(definition.options),
-            "kind": definition.kind,
-            "cron": definition.cron,
-            "interval_seconds": definition.interval_seconds,
-            "timezone": definition.timezone,
-            "grace_seconds": definition.grace_seconds,
-            "max_runtime_seconds": definition.max_runtime_seconds,
-            "after_schedule": definition.after,
-            "inline_cap": definition.inline_cap,
-            "daily_cap": definition.daily_cap,
-            "dedupe_seconds": definition.dedupe_seconds,
-            "override_cron": None,
-            "enabled": True,
-            "origin": "code" if origin else "api",
-            "next_run_at": spec.next_after(now, previous=now),
-            "attempt": 0,
-            "created_at": now,
-            "updated_at": now,
-            "version": 1,
-        }
-
-    @staticmethod
-    def _definition_changes(row: Any, definition: ScheduleDefinition) -> dict[str, Any]:
-        wanted = {
             "task": definition.task,
             "args": list(definition.args),
             "kwargs": dict(definition.kwargs),
@@ -312,6 +284,24 @@ class Store:
             "dedupe_seconds": definition.dedupe_seconds,
             "origin": "code",
         }
+
+    @classmethod
+    def _definition_values(cls, definition: ScheduleDefinition, now: datetime) -> dict[str, Any]:
+        return {
+            **cls._definition_columns(definition),
+            "name": definition.name,
+            "override_cron": None,
+            "enabled": True,
+            "next_run_at": definition.spec().next_after(now, previous=now),
+            "attempt": 0,
+            "created_at": now,
+            "updated_at": now,
+            "version": 1,
+        }
+
+    @classmethod
+    def _definition_changes(cls, row: Any, definition: ScheduleDefinition) -> dict[str, Any]:
+        wanted = cls._definition_columns(definition)
         return {key: value for key, value in wanted.items() if getattr(row, key) != value}
 
     @_translate_errors
