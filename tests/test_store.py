@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 from sqlalchemy import inspect, select, text
@@ -22,6 +23,18 @@ def make_due(store: Store, *names: str, at: datetime) -> None:
     s = store.tables.schedules
     with store.engine.begin() as connection:
         connection.execute(s.update().where(s.c.name.in_(names)).values(next_run_at=at))
+
+
+def finish(store: Store, claim: Any, outcome: str, duration_ms: int) -> Any:
+    """Record *claim*'s outcome with its own token."""
+    return store.finish_run(
+        schedule=claim.schedule,
+        run_id=claim.run_id,
+        token=claim.lease_token,
+        occurrence=claim.occurrence,
+        outcome=outcome,
+        duration_ms=duration_ms,
+    )
 
 
 def claim_all(store: Store, now: datetime, lease: float = 60.0, owner: str = "test") -> list:
@@ -170,14 +183,7 @@ def test_fenced_outcome_with_a_stale_token_changes_nothing(store: Store) -> None
     assert store.get_schedule("a") == before
     assert store.list_runs()[0]["state"] == RunState.CLAIMED
 
-    assert store.finish_run(
-        schedule="a",
-        run_id=claim.run_id,
-        token=claim.lease_token,
-        occurrence=claim.occurrence,
-        outcome=RunState.SUCCEEDED,
-        duration_ms=5,
-    )
+    assert finish(store, claim, RunState.SUCCEEDED, 5)
     after = store.get_schedule("a")
     assert after["lease_token"] is None and after["lease_until"] is None
     assert after["last_outcome"] == RunState.SUCCEEDED and after["last_duration_ms"] == 5
@@ -227,14 +233,7 @@ def test_start_runs_a_delivery_once(store: Store) -> None:
     redelivered = store.start_run(**kwargs)
     assert not redelivered.run and redelivered.state == RunState.STARTED
 
-    store.finish_run(
-        schedule="a",
-        run_id=claim.run_id,
-        token=claim.lease_token,
-        occurrence=claim.occurrence,
-        outcome=RunState.SUCCEEDED,
-        duration_ms=1,
-    )
+    finish(store, claim, RunState.SUCCEEDED, 1)
     after_completion = store.start_run(**kwargs)
     assert not after_completion.run and after_completion.state == RunState.SUCCEEDED
 
@@ -267,14 +266,7 @@ def test_a_missed_schedule_runs_once_then_advances_recording_the_drop(store: Sto
     make_due(store, "a", at=long_ago)
     (claim,) = claim_all(store, now)
     assert claim.occurrence == long_ago
-    store.finish_run(
-        schedule="a",
-        run_id=claim.run_id,
-        token=claim.lease_token,
-        occurrence=claim.occurrence,
-        outcome=RunState.SUCCEEDED,
-        duration_ms=1,
-    )
+    finish(store, claim, RunState.SUCCEEDED, 1)
     row = store.get_schedule("a")
     after = store.now()
     assert now < row["next_run_at"] <= after + timedelta(minutes=1)
