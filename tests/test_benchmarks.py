@@ -20,8 +20,8 @@ def test_burst_smoke_for_every_scheduler(tmp_path: Path) -> None:
     require_server(REDIS_URL, "Redis")
     require_server(POSTGRES_URL, "PostgreSQL")
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--scenarios", "burst", "--sizes", "20", "--timeout", "60", "--output", str(tmp_path),
-         "--redis", REDIS_URL, "--postgres", POSTGRES_URL],
+        [sys.executable, "-m", "benchmarks", "--scenarios", "burst", "--sizes", "20", "--timeout", "60",
+         "--output", str(tmp_path), "--redis", REDIS_URL, "--postgres", POSTGRES_URL],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

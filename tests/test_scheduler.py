@@ -7,10 +7,14 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
+import kombu
+import kombu.exceptions
 import pytest
 from celery import Celery
 from kombu import Connection
@@ -45,7 +49,12 @@ def store_of(app: Celery) -> Store:
 
 def drain(app: Celery) -> list[str]:
     """The task ids waiting on the app's queue, consumed."""
-    ids = []
+    return [message.headers["id"] for message in drain_messages(app)]
+
+
+def drain_messages(app: Celery) -> list[Any]:
+    """The messages waiting on the app's queue, consumed."""
+    messages = []
     with Connection(app.conf.broker_url) as connection:
         queue = connection.SimpleQueue(app.conf.task_default_queue)
         while True:
@@ -53,10 +62,10 @@ def drain(app: Celery) -> list[str]:
                 message = queue.get(timeout=0.5)
             except queue.Empty:
                 break
-            ids.append(message.headers["id"])
+            messages.append(message)
             message.ack()
         queue.close()
-    return ids
+    return messages
 
 
 def declare_queue(app: Celery) -> None:
@@ -193,6 +202,54 @@ def test_broker_outage_releases_claims_and_retries_them(
         scheduler.close()
     finally:
         proxy.close()
+
+
+def test_a_batch_whose_flush_fails_is_released_and_published_again_under_a_new_token(
+    cleanup: list[tuple[Celery, str]], tmp_path: Path
+) -> None:
+    """kombu's batch publish reports a failed flush as delivery uncertain: beat must treat the
+    whole batch as unpublished, and the copy that did arrive must be fenced off."""
+    require_server(REDIS_URL, "Redis")
+    BatchPublishError = getattr(kombu.exceptions, "BatchPublishError", None)
+    if BatchPublishError is None:
+        pytest.skip(f"kombu {kombu.__version__} has no batch publishing")
+    app = make_app(sqlite_url(tmp_path), REDIS_URL, leasebeat_polling_interval=5)
+    cleanup.append((app, sqlite_url(tmp_path)))
+    for i in range(3):
+        register_schedule("proj.work", "* * * * *", name=f"job{i}", app=app)
+    declare_queue(app)
+
+    class FlushFails(app.amqp.Producer):  # type: ignore[name-defined,misc]
+        @contextmanager
+        def batch(self, max_size: int) -> Iterator[None]:
+            with super().batch(max_size):
+                yield
+            raise BatchPublishError("Redis publish batch failed; delivery is uncertain")
+
+    scheduler = LeaseScheduler(app)
+    scheduler.tick()
+    store = store_of(app)
+    due = store.now() - timedelta(seconds=1)
+    with store.engine.begin() as connection:
+        connection.execute(store.tables.schedules.update().values(next_run_at=due))
+    assert scheduler._dispatcher is not None
+    scheduler._dispatcher._producer_class = FlushFails
+    assert scheduler.tick() >= 1.0  # backing off: the broker failed
+    assert {r["state"] for r in store.list_runs()} == {RunState.PUBLISH_FAILED}
+    assert all(row["lease_token"] is None for row in store.list_schedules())
+    first_tokens = {m.headers["leasebeat_token"] for m in drain_messages(app)}  # they did arrive
+    assert len(first_tokens) == 1
+
+    scheduler._dispatcher._producer_class = app.amqp.Producer
+    scheduler.tick()
+    again = drain_messages(app)
+    assert len(again) == 3 and {m.headers["leasebeat_token"] for m in again}.isdisjoint(first_tokens)
+    assert {r["state"] for r in store.list_runs()} == {RunState.DISPATCHED}
+    stale = store.start_run(
+        schedule="job0", run_id=again[0].headers["id"], token=first_tokens.pop(), worker="w", lease_seconds=60
+    )
+    assert not stale.run and "no longer holds the lease" in stale.reason
+    scheduler.close()
 
 
 def test_an_occurrence_claimed_after_its_grace_is_recorded_missed_not_run(

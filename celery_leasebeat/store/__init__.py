@@ -80,6 +80,11 @@ logger = logging.getLogger("celery_leasebeat.store")
 MAX_MISSED_COUNT = 10_000
 # Rows per IN-list when reading registrations back: well inside every backend's limits.
 _CHUNK = 500
+#: What a claim reads back of each row it leased: what publishing and fencing need.
+_CLAIM_COLUMNS = (
+    "name", "next_run_at", "attempt", "task", "args", "kwargs", "options", "kind", "cron", "interval_seconds",
+    "timezone", "override_cron", "grace_seconds", "after_schedule", "inline_cap",
+)  # fmt: skip
 _SUPPORTED = ("postgresql", "mysql", "mariadb", "sqlite")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -402,7 +407,11 @@ class Store:
             result = connection.execute(claim_statement(self.engine, s, due, values, limit))
             if not result.rowcount:
                 return []
-            rows = connection.execute(select(s).where(s.c.lease_token == token).order_by(s.c.next_run_at)).all()
+            rows = connection.execute(
+                select(*(s.c[name] for name in _CLAIM_COLUMNS))
+                .where(s.c.lease_token == token)
+                .order_by(s.c.next_run_at)
+            ).all()
             claims = [
                 ClaimedRun(
                     schedule=row.name,
