@@ -4,7 +4,11 @@ Redis and PostgreSQL, in one run. Scenarios (``--scenarios``):
 
 - burst: N crontab schedules due at the same minute boundary, no worker (benchmarks/burst.py),
   with the publishing floor measured in the same run;
-- replicas: the leasebeat burst with 1, 2 and 3 replicas on one database (the cost model).
+- leasebeat-replicas: the largest burst with 1, 2 and 3 leasebeat replicas on one database;
+- steady: schedules every second with a worker: dispatch and start lag, runs per occurrence,
+  for each scheduler and for 3 leasebeat replicas (benchmarks/steady.py);
+- failover: 3 replicas of each scheduler, one killed with SIGKILL mid-run: duplicates,
+  losses and the longest gap (benchmarks/steady.py).
 
 Results go to docs/benchmarks/ (results.json, results.md and a chart per scenario). Absolute
 numbers depend on the machine; compare the ratios measured in one run.
@@ -21,10 +25,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from . import burst, report
+from . import burst, report, steady
 from .harness import ROOT, SCHEDULER_CLASSES, Settings, machine
 
-SCENARIOS = ["burst", "leasebeat-replicas"]
+SCENARIOS = ["burst", "leasebeat-replicas", "steady", "failover"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("LEASEBEAT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1/test"),
     )
     parser.add_argument("--timeout", type=float, default=180.0, help="longest wait for one burst, in seconds")
+    parser.add_argument("--every-second", type=int, default=10, help="schedules in the steady and failover runs")
+    parser.add_argument("--steady-seconds", type=float, default=60.0, help="measured window of a steady run")
+    parser.add_argument("--kill-after", type=float, default=20.0, help="failover: seconds before the kill")
+    parser.add_argument("--run-after-kill", type=float, default=45.0, help="failover: seconds measured after it")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks")
     options = parser.parse_args(argv)
     settings = Settings(redis=options.redis, postgres=options.postgres)
@@ -63,6 +71,22 @@ def main(argv: list[str] | None = None) -> int:
             outcome = burst.burst(settings, "leasebeat", size, options.timeout, replicas=replicas)
             print(json.dumps(asdict(outcome)), flush=True)
             results["leasebeat_replicas"].append(asdict(outcome))
+    if "steady" in options.scenarios:
+        results["steady"] = []
+        runs = [(scheduler, 1) for scheduler in options.schedulers]
+        runs += [("leasebeat", 3)] if "leasebeat" in options.schedulers else []
+        for scheduler, replicas in runs:
+            measured = steady.steady(settings, scheduler, options.every_second, options.steady_seconds, replicas)
+            print(json.dumps(asdict(measured)), flush=True)
+            results["steady"].append(asdict(measured))
+    if "failover" in options.scenarios:
+        results["failover"] = []
+        for scheduler in options.schedulers:
+            outcome = steady.failover(
+                settings, scheduler, options.every_second, options.kill_after, options.run_after_kill
+            )
+            print(json.dumps(asdict(outcome)), flush=True)
+            results["failover"].append(asdict(outcome))
     report.write(results, options.output)
     return 0
 

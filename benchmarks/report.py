@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import steady
+
 
 def write(results: dict[str, Any], output: Path) -> None:
     output.mkdir(parents=True, exist_ok=True)
@@ -14,6 +16,8 @@ def write(results: dict[str, Any], output: Path) -> None:
     (output / "results.md").write_text(markdown(results))
     if results.get("bursts"):
         burst_chart(results, output / "burst.png")
+    if results.get("steady"):
+        steady.steady_chart(results, output / "steady.png")
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -22,6 +26,10 @@ def markdown(results: dict[str, Any]) -> str:
         lines += burst_markdown(results)
     if results.get("leasebeat_replicas"):
         lines += replicas_burst_markdown(results)
+    if results.get("steady"):
+        lines += steady.markdown_steady(results)
+    if results.get("failover"):
+        lines += steady.markdown_failover(results)
     info = results["machine"]
     lines += [
         f"Machine: {info['platform']}, {info['cpus']} CPUs, Python {info['python']}.",
