@@ -37,7 +37,7 @@ class Dispatcher:
         self.app = app
         self.store = store
         self.config = config
-        self._producer_class = producer_class or app.amqp.Producer
+        self._producer_class = type("LeaseBeatProducer", (_DeclaringOnce, producer_class or app.amqp.Producer), {})
         self._producer: Any = None
 
     def dispatch(self, claims: list[ClaimedRun], now: datetime) -> list[ClaimedRun]:
@@ -189,6 +189,19 @@ class Dispatcher:
                 producer.connection.release()
             except Exception:  # already broken; nothing more to free
                 logger.debug("beat: error closing the broker connection", exc_info=True)
+
+
+class _DeclaringOnce:
+    """Producer mixin: an entity this connection declared already costs nothing more. kombu
+    checks the same per-connection cache, but only after copying the entity to bind it, on
+    every publish; Celery asks for the queue's declaration with every task message."""
+
+    connection: Any
+
+    def maybe_declare(self, entity: Any, retry: bool = False, **retry_policy: Any) -> Any:
+        if entity and entity.can_cache_declaration and hash(entity) in self.connection.declared_entities:
+            return False
+        return super().maybe_declare(entity, retry, **retry_policy)  # type: ignore[misc]
 
 
 @contextmanager
