@@ -18,6 +18,8 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._server: socket.socket | None = None
+        #: Reads from clients forwarded to the target (see _pipe).
+        self.requests = 0
         self.restore()
 
     def restore(self) -> None:
@@ -58,13 +60,16 @@ class TcpProxy:
             client.settimeout(None)
             with self._lock:
                 self._sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, upstream_bound in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(a, b, upstream_bound), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, upstream_bound: bool) -> None:
         try:
             while data := source.recv(65536):
+                if upstream_bound:
+                    # A request-response client sends once per round trip (small requests
+                    # arrive in one read): what a test counts as round trips.
+                    self.requests += 1
                 sink.sendall(data)
         except OSError:
             pass

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import multiprocessing
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 from sqlalchemy import inspect, select, text
 
 from celery_leasebeat.errors import DatabaseUnavailable, InvalidCron, UnknownSchedule
 from celery_leasebeat.store import RunState, ScheduleDefinition, Store, run_id_for
+
+from .conftest import MYSQL_URL, POSTGRES_URL, drop_tables, require_server
+from .tcp_proxy import TcpProxy
 
 UTC = timezone.utc
 
@@ -469,3 +474,29 @@ def test_replicas_heartbeat_rows(store: Store) -> None:
     assert all(r["last_cycle_at"] <= now + timedelta(seconds=1) for r in replicas)
     store.remove_replica("h:2")
     assert [r["name"] for r in store.list_replicas()[1]] == ["h:1"]
+
+
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+def test_an_idle_probe_is_one_round_trip_and_survives_a_dropped_connection(server: str, table_prefix: str) -> None:
+    """Beat's statement when nothing is due: one request to the server (no pre-ping, BEGIN or
+    ROLLBACK around it), and a pooled connection the server dropped is replaced, not an outage."""
+    url = POSTGRES_URL if server == "postgresql" else MYSQL_URL
+    require_server(url, server)
+    target = urlparse(url.split("+", 1)[0] + "://" + url.split("://", 1)[1])
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 0)
+    store = Store(url.replace(f"{target.hostname}:{target.port}", f"127.0.0.1:{proxy.port}"), table_prefix=table_prefix)
+    try:
+        store.sync([every_minute("a")])
+        store.probe()  # connects the probe's own connection (handshake, dialect set-up)
+        before = proxy.requests
+        for _ in range(3):
+            assert store.probe().next_due is not None
+        assert proxy.requests - before == 3
+
+        proxy.cut()  # the server drops every connection
+        time.sleep(0.5)  # the proxy's listener thread lets go of the port
+        proxy.restore()
+        assert store.probe().next_due is not None
+    finally:
+        drop_tables(store)
+        proxy.close()

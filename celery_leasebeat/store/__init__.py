@@ -130,6 +130,7 @@ class Store:
         self.tables: Tables = build_tables(table_prefix, schema)
         self._engine_options = dict(engine_options or {})
         self._engine: Engine | None = None
+        self._probe_engine: Engine | None = None
         self._schema_ready = False
         #: Whether first use creates missing tables (beat and workers) or reports them
         #: missing (the CLI, where a wrong URL must not create anything).
@@ -159,11 +160,28 @@ class Store:
             _make_sqlite_concurrent(engine)
         return engine
 
+    @property
+    def probe_engine(self) -> Engine:
+        """The engine of :meth:`probe`, beat's statement when nothing is due: on a server
+        database, its own autocommit connection without a pre-ping, so an idle cycle is one
+        round trip (not a ping, BEGIN, the query and ROLLBACK). SQLite shares the engine."""
+        if self.url.get_backend_name() == "sqlite":
+            return self.engine
+        if self._probe_engine is None:
+            options: dict[str, Any] = {"pool_size": 1, "isolation_level": "AUTOCOMMIT"}
+            if hasattr(self.engine.dialect, "skip_autocommit_rollback"):  # SQLAlchemy 2.0.43+
+                options["skip_autocommit_rollback"] = True
+            if self.url.get_backend_name() in ("mysql", "mariadb"):
+                options["pool_recycle"] = 3600
+            self._probe_engine = create_engine(self.url, **{**self._engine_options, **options})
+        return self._probe_engine
+
     def dispose(self, close: bool = True) -> None:
         """Drop pooled connections. After a fork, call with ``close=False`` in the child so
         the parent's connections are abandoned there, never shared."""
-        if self._engine is not None:
-            self._engine.dispose(close=close)
+        for engine in (self._engine, self._probe_engine):
+            if engine is not None:
+                engine.dispose(close=close)
 
     @_translate_errors
     def ensure_schema(self) -> None:
@@ -371,10 +389,17 @@ class Store:
         next_expiry = (
             select(s.c.lease_until).where(s.c.lease_until >= now).order_by(s.c.lease_until).limit(1).scalar_subquery()
         )
-        with self.engine.connect() as connection:
-            row = connection.execute(
-                select(now.label("now"), next_due.label("next_due"), next_expiry.label("next_expiry"))
-            ).one()
+        query = select(now.label("now"), next_due.label("next_due"), next_expiry.label("next_expiry"))
+        try:
+            with self.probe_engine.connect() as connection:
+                row = connection.execute(query).one()
+        except DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            # Without a pre-ping, a connection the server dropped (restart, idle timeout) is
+            # found here: it was discarded, so try once more on a fresh one.
+            with self.probe_engine.connect() as connection:
+                row = connection.execute(query).one()
         return Probe(now=row.now, next_due=row.next_due, next_expiry=row.next_expiry)
 
     @_translate_errors
