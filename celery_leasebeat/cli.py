@@ -34,6 +34,7 @@ from .errors import (
 )
 from .lint import describe, lint
 from .registry import inspect_definitions
+from .scheduler import HEARTBEAT_SECONDS
 from .store import RunState, Store, spec_for
 from .timing import CronSpec, IntervalSpec, Spec, preview, utc, zone_for
 
@@ -50,7 +51,8 @@ EXIT_LINT_FAILED = 6
 EXIT_BUSY = 7
 EXIT_PAUSED = 8
 
-#: A replica is live when it completed a cycle within this many polling intervals (+10 s).
+#: A replica is live when it refreshed its row within this many heartbeat periods (each the
+#: polling interval or HEARTBEAT_SECONDS, whichever is longer) + 10 s.
 LIVE_INTERVALS = 2
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -339,7 +341,7 @@ def lint_command(state: _State, as_json: bool) -> None:
 def status_command(state: _State, as_json: bool) -> None:
     """The beat replicas: host, pid, version, last cycle, claims made."""
     now, replicas = state.store.list_replicas()
-    horizon = timedelta(seconds=LIVE_INTERVALS * state.config.polling_interval + 10)
+    horizon = timedelta(seconds=LIVE_INTERVALS * max(state.config.polling_interval, HEARTBEAT_SECONDS) + 10)
     items = [
         {
             "name": r["name"],

@@ -41,9 +41,12 @@ FIRST_BACKOFF_SECONDS = 1.0
 #: After a claim found nothing although the probe saw a due row (another replica took it
 #: between the two statements), look again almost at once.
 CONTENDED_RETRY_SECONDS = 0.05
-#: How often a replica refreshes its row in the replicas table and runs missed-run
-#: detection: rarely enough to cost nothing per cycle, often enough for `leasebeat status`.
-HOUSEKEEPING_SECONDS = 10.0
+#: How often a replica refreshes its row in the replicas table (what `leasebeat status`
+#: shows): one UPDATE a minute, so an idle cycle stays the probe alone.
+HEARTBEAT_SECONDS = 60.0
+#: How often missed-run detection looks at the runs in flight; only while this database
+#: has any (a lease is held), so it costs nothing when idle.
+OVERDUE_CHECK_SECONDS = 10.0
 #: How often the registrations are upserted again although nothing changed in this process.
 RESYNC_SECONDS = 300.0
 
@@ -73,7 +76,9 @@ class LeaseScheduler(Scheduler):
         self._empty_claims = 0
         self._ever_synced = False
         self._resync_due = 0.0
-        self._housekeeping_due = 0.0
+        self._heartbeat_due = 0.0
+        self._overdue_check_due = 0.0
+        self._last_probe: Probe | None = None
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         super().__init__(app, *args, **kwargs)
 
@@ -134,9 +139,7 @@ class LeaseScheduler(Scheduler):
         try:
             self._sync_if_needed()
             wait = self._cycle()
-            if started >= self._housekeeping_due:
-                self._housekeeping()
-                self._housekeeping_due = started + HOUSEKEEPING_SECONDS
+            self._housekeeping(started)
         except DatabaseConflict as exc:
             logger.info("beat: %s; retrying the cycle", exc)  # a deadlock victim: not an outage
             return CONTENDED_RETRY_SECONDS
@@ -151,13 +154,20 @@ class LeaseScheduler(Scheduler):
             self._failures = 0
         return wait
 
-    def _housekeeping(self) -> None:
-        """Refresh this replica's row (for `leasebeat status`) and flag runs in flight that
-        missed-run detection finds late or overrunning."""
+    def _housekeeping(self, now: float) -> None:
+        """Refresh this replica's row (for `leasebeat status`) every HEARTBEAT_SECONDS, and
+        every OVERDUE_CHECK_SECONDS while runs are in flight, flag those that missed-run
+        detection finds late or overrunning."""
         assert self._store is not None
-        self._store.heartbeat_replica(
-            name=self.owner, host=socket.gethostname(), pid=os.getpid(), version=__version__, claims=self._claims
-        )
+        if now >= self._heartbeat_due:
+            self._store.heartbeat_replica(
+                name=self.owner, host=socket.gethostname(), pid=os.getpid(), version=__version__, claims=self._claims
+            )
+            self._heartbeat_due = now + HEARTBEAT_SECONDS
+        # A run in flight holds its schedule's lease; the last probe saw none held: skip.
+        if now < self._overdue_check_due or (self._last_probe and self._last_probe.next_expiry is None):
+            return
+        self._overdue_check_due = now + OVERDUE_CHECK_SECONDS
         for run, reason in self._store.flag_overdue():
             kind = "overrun" if run["state"] == RunState.STARTED else "late_start"
             metrics().alerts.labels(run["schedule"], kind).inc()
@@ -203,7 +213,7 @@ class LeaseScheduler(Scheduler):
 
     def _cycle(self) -> float:
         assert self._store is not None and self._config is not None
-        probe = self._store.probe()
+        probe = self._last_probe = self._store.probe()
         if probe.next_due is not None and probe.next_due <= probe.now:
             claims = self._store.claim(
                 probe.now,

@@ -18,6 +18,7 @@ import kombu.exceptions
 import pytest
 from celery import Celery
 from kombu import Connection
+from sqlalchemy import event
 
 from celery_leasebeat import LeaseScheduler, register_schedule
 from celery_leasebeat.store import RunState, Store
@@ -311,3 +312,43 @@ def test_the_history_purge_is_the_packages_own_schedule(tmp_path: Path, cleanup:
     assert purge.apply().get() == {"deleted": 1, "capped": False}  # the backlog drained
     assert purge.apply().get() == {"deleted": 0, "capped": False}  # harmless twice
     assert [r["id"] for r in store.list_runs("x")] == ["recent"]
+
+
+def test_an_idle_tick_is_the_probe_alone(tmp_path: Path, cleanup: list[tuple[Celery, str]]) -> None:
+    """Nothing due and nothing in flight: no heartbeat (once a minute), no missed-run check."""
+    app = make_app(sqlite_url(tmp_path))
+    cleanup.append((app, sqlite_url(tmp_path)))
+    register_schedule("proj.work", "0 0 1 1 *", name="yearly", app=app)
+    scheduler = LeaseScheduler(app)
+    scheduler.tick()  # the first sync and the first heartbeat
+    statements: list[str] = []
+    store = store_of(app)
+    for engine in {store.engine, store.probe_engine}:
+        event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    for _ in range(3):
+        scheduler.tick()
+    assert len(statements) == 3 and all("next_run_at" in sql for sql in statements), statements
+    scheduler.close()
+
+
+def test_missed_run_detection_flags_a_run_in_flight_that_did_not_start_within_grace(
+    tmp_path: Path, cleanup: list[tuple[Celery, str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app(sqlite_url(tmp_path))
+    cleanup.append((app, sqlite_url(tmp_path)))
+    register_schedule("proj.work", "* * * * *", name="strict", grace=1, app=app)
+    scheduler = LeaseScheduler(app)
+    scheduler.tick()
+    store = store_of(app)
+    due = store.now() - timedelta(milliseconds=500)
+    with store.engine.begin() as connection:
+        connection.execute(store.tables.schedules.update().values(next_run_at=due))
+    scheduler.tick()  # dispatched; no worker starts it
+    assert [r["state"] for r in store.list_runs()] == [RunState.DISPATCHED]
+    time.sleep(1.2)
+    with caplog.at_level(logging.WARNING, logger="celery_leasebeat"):
+        scheduler.tick()
+    [run] = store.list_runs()
+    assert "not started within its grace of 1s" in (run["alert"] or ""), run
+    assert "not started within its grace" in caplog.text
+    scheduler.close()

@@ -162,18 +162,24 @@ class Store:
 
     @property
     def probe_engine(self) -> Engine:
-        """The engine of :meth:`probe`, beat's statement when nothing is due: on a server
-        database, its own autocommit connection without a pre-ping, so an idle cycle is one
-        round trip (not a ping, BEGIN, the query and ROLLBACK). SQLite shares the engine."""
-        if self.url.get_backend_name() == "sqlite":
-            return self.engine
+        """The engine of :meth:`probe`, beat's statement when nothing is due, and of the
+        heartbeat: its own autocommit connection without a pre-ping, so an idle cycle is one
+        round trip (not a ping, BEGIN, the query and ROLLBACK), and on SQLite a read that
+        takes no write lock."""
         if self._probe_engine is None:
-            options: dict[str, Any] = {"pool_size": 1, "isolation_level": "AUTOCOMMIT"}
+            options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT"}
             if hasattr(self.engine.dialect, "skip_autocommit_rollback"):  # SQLAlchemy 2.0.43+
                 options["skip_autocommit_rollback"] = True
-            if self.url.get_backend_name() in ("mysql", "mariadb"):
+            backend = self.url.get_backend_name()
+            if backend == "sqlite":
+                options["connect_args"] = {"timeout": 30}
+            else:
+                options["pool_size"] = 1
+            if backend in ("mysql", "mariadb"):
                 options["pool_recycle"] = 3600
             self._probe_engine = create_engine(self.url, **{**self._engine_options, **options})
+            if backend == "sqlite":
+                _make_sqlite_concurrent(self._probe_engine, immediate=False)
         return self._probe_engine
 
     def dispose(self, close: bool = True) -> None:
@@ -1063,28 +1069,20 @@ class Store:
 
     @_translate_errors
     def heartbeat_replica(self, *, name: str, host: str, pid: int, version: str, claims: int) -> None:
-        """Record that beat replica *name* completed a cycle (and its claims so far)."""
+        """Record that beat replica *name* completed a cycle (and its claims so far): one
+        autocommit UPDATE, and an INSERT the first time."""
         p = self.tables.replicas
+        self.ensure_schema()
+        with self.probe_engine.connect() as refresh:
+            updated = refresh.execute(
+                p.update().where(p.c.name == name).values(last_cycle_at=database_now(self.engine), claims=claims)
+            ).rowcount
+        if updated:
+            return
         with self._transaction() as connection:
             now = self._now(connection)
-            updated = connection.execute(
-                p.update().where(p.c.name == name).values(last_cycle_at=now, claims=claims)
-            ).rowcount
-            if not updated:
-                connection.execute(
-                    insert_ignoring_duplicates(self.engine, p),
-                    [
-                        {
-                            "name": name,
-                            "host": host,
-                            "pid": pid,
-                            "version": version,
-                            "started_at": now,
-                            "last_cycle_at": now,
-                            "claims": claims,
-                        }
-                    ],
-                )
+            row = dict(name=name, host=host, pid=pid, version=version, started_at=now, last_cycle_at=now, claims=claims)
+            connection.execute(insert_ignoring_duplicates(self.engine, p), [row])
 
     @_translate_errors
     def remove_replica(self, name: str) -> None:
@@ -1143,10 +1141,10 @@ def _by_token(claims: Sequence[ClaimedRun]) -> dict[str, list[ClaimedRun]]:
     return groups
 
 
-def _make_sqlite_concurrent(engine: Engine) -> None:
+def _make_sqlite_concurrent(engine: Engine, *, immediate: bool = True) -> None:
     """Several beat replicas and a worker share one SQLite file: WAL lets readers run
-    beside the writer, and BEGIN IMMEDIATE takes the write lock up front so two
-    transactions never deadlock upgrading a read lock."""
+    beside the writer, and BEGIN IMMEDIATE (with *immediate*) takes the write lock up front
+    so two transactions never deadlock upgrading a read lock."""
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -1156,9 +1154,11 @@ def _make_sqlite_concurrent(engine: Engine) -> None:
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
-    @event.listens_for(engine, "begin")
-    def _on_begin(connection: Connection) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+    if immediate:
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(connection: Connection) -> None:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 # InnoDB's deadlock (1213) and lock-wait timeout (1205); PostgreSQL's deadlock_detected.
