@@ -8,7 +8,9 @@ Redis and PostgreSQL, in one run. Scenarios (``--scenarios``):
 - steady: schedules every second with a worker: dispatch and start lag, runs per occurrence,
   for each scheduler and for 3 leasebeat replicas (benchmarks/steady.py);
 - failover: 3 replicas of each scheduler, one killed with SIGKILL mid-run: duplicates,
-  losses and the longest gap (benchmarks/steady.py).
+  losses and the longest gap (benchmarks/steady.py);
+- scale: 100,000 schedules none of which is due: start-up time, memory and what an idle cycle
+  costs, for each scheduler, a leasebeat restart and leasebeat at 1,000 (benchmarks/scale.py).
 
 Results go to docs/benchmarks/ (results.json, results.md and a chart per scenario). Absolute
 numbers depend on the machine; compare the ratios measured in one run.
@@ -25,10 +27,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from . import burst, report, steady
+from . import burst, report, scale, steady
 from .harness import ROOT, SCHEDULER_CLASSES, Settings, machine
 
-SCENARIOS = ["burst", "leasebeat-replicas", "steady", "failover"]
+SCENARIOS = ["burst", "leasebeat-replicas", "steady", "failover", "scale"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steady-seconds", type=float, default=60.0, help="measured window of a steady run")
     parser.add_argument("--kill-after", type=float, default=20.0, help="failover: seconds before the kill")
     parser.add_argument("--run-after-kill", type=float, default=45.0, help="failover: seconds measured after it")
+    parser.add_argument("--scale", type=int, default=100_000, help="schedules in the scale runs")
+    parser.add_argument("--idle-seconds", type=float, default=30.0, help="scale: the idle window measured")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks")
     options = parser.parse_args(argv)
     settings = Settings(redis=options.redis, postgres=options.postgres)
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 outcome = burst.burst(settings, scheduler, n, options.timeout)
                 print(json.dumps(asdict(outcome)), flush=True)
                 results["bursts"].append(asdict(outcome))
+        report.write(results, options.output)  # after each scenario: a late failure keeps the rest
     if "leasebeat-replicas" in options.scenarios:
         size = max(options.sizes)
         results["leasebeat_replicas"] = []
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             outcome = burst.burst(settings, "leasebeat", size, options.timeout, replicas=replicas)
             print(json.dumps(asdict(outcome)), flush=True)
             results["leasebeat_replicas"].append(asdict(outcome))
+        report.write(results, options.output)
     if "steady" in options.scenarios:
         results["steady"] = []
         runs = [(scheduler, 1) for scheduler in options.schedulers]
@@ -79,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             measured = steady.steady(settings, scheduler, options.every_second, options.steady_seconds, replicas)
             print(json.dumps(asdict(measured)), flush=True)
             results["steady"].append(asdict(measured))
+        report.write(results, options.output)
     if "failover" in options.scenarios:
         results["failover"] = []
         for scheduler in options.schedulers:
@@ -87,6 +94,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(json.dumps(asdict(outcome)), flush=True)
             results["failover"].append(asdict(outcome))
+        report.write(results, options.output)
+    if "scale" in options.scenarios:
+        results["scale"] = []
+        runs = [(scheduler, options.scale, False) for scheduler in options.schedulers]
+        if "leasebeat" in options.schedulers:
+            runs += [("leasebeat", options.scale, True), ("leasebeat", max(options.scale // 100, 1), True)]
+        for scheduler, size, restart in runs:
+            measured = scale.scale(settings, scheduler, size, options.idle_seconds, restart=restart)
+            print(json.dumps(asdict(measured)), flush=True)
+            results["scale"].append(asdict(measured))
     report.write(results, options.output)
     return 0
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import steady
+from . import scale, steady
 
 
 def write(results: dict[str, Any], output: Path) -> None:
@@ -18,6 +18,8 @@ def write(results: dict[str, Any], output: Path) -> None:
         burst_chart(results, output / "burst.png")
     if results.get("steady"):
         steady.steady_chart(results, output / "steady.png")
+    if results.get("scale"):
+        scale.scale_chart(results["scale"], output / "scale.png")
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -30,6 +32,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += steady.markdown_steady(results)
     if results.get("failover"):
         lines += steady.markdown_failover(results)
+    if results.get("scale"):
+        lines += scale.markdown_scale(results["scale"])
     info = results["machine"]
     lines += [
         f"Machine: {info['platform']}, {info['cpus']} CPUs, Python {info['python']}.",
