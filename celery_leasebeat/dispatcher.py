@@ -84,7 +84,7 @@ class Dispatcher:
                 len(published),
                 ", ".join(c.label for c in published[:5]) + (" ..." if len(published) > 5 else ""),
             )
-            self.store.mark_dispatched(published[0].lease_token, [c.run_id for c in published])
+            self.store.mark_dispatched(published)
         if unpublished:
             self.store.release(unpublished, f"publish failed: {broker_error}")
             raise BrokerUnavailable(f"{broker_error}; released {len(unpublished)} claimed occurrence(s) for retry")

@@ -225,6 +225,25 @@ def test_expired_lease_is_reclaimed_under_the_same_run_id_and_fences_the_old_cla
     assert store.get_schedule("a")["lease_token"] == second.lease_token
 
 
+def test_a_claim_holds_a_short_publish_lease_until_marked_dispatched(store: Store) -> None:
+    """A replica that dies between claiming and publishing delays its claims by the publish
+    lease, not by a whole lease; once published, the full lease holds."""
+    store.sync([every_minute("a"), every_minute("b")])
+    now = store.now()
+    make_due(store, "a", "b", at=now - timedelta(seconds=1))
+    store.publish_lease_seconds = 2
+    claims = store.claim(now, limit=10, lease_seconds=300, owner="r1")
+    assert {row["lease_until"] for row in store.list_schedules()} == {now + timedelta(seconds=2)}
+    published = [c for c in claims if c.schedule == "a"]
+    store.mark_dispatched(published)
+    leases = {row["name"]: row["lease_until"] for row in store.list_schedules()}
+    assert leases == {"a": now + timedelta(seconds=300), "b": now + timedelta(seconds=2)}
+    assert {r["schedule"]: r["state"] for r in store.list_runs()} == {"a": RunState.DISPATCHED, "b": RunState.CLAIMED}
+
+    (again,) = store.claim(now + timedelta(seconds=3), limit=10, lease_seconds=300, owner="r2")
+    assert again.schedule == "b" and again.attempt == 2
+
+
 def test_start_runs_a_delivery_once(store: Store) -> None:
     store.sync([every_minute("a")])
     now = store.now()

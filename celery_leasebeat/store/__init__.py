@@ -80,6 +80,8 @@ logger = logging.getLogger("celery_leasebeat.store")
 MAX_MISSED_COUNT = 10_000
 # Rows per IN-list when reading registrations back: well inside every backend's limits.
 _CHUNK = 500
+#: See Store.publish_lease_seconds: ample for publishing one batch, broker retries included.
+PUBLISH_LEASE_SECONDS = 30.0
 #: What a claim reads back of each row it leased: what publishing and fencing need.
 _CLAIM_COLUMNS = (
     "name", "next_run_at", "attempt", "task", "args", "kwargs", "options", "kind", "cron", "interval_seconds",
@@ -135,6 +137,10 @@ class Store:
         #: Whether first use creates missing tables (beat and workers) or reports them
         #: missing (the CLI, where a wrong URL must not create anything).
         self.create_tables = True
+        #: How long a claim holds its lease before :meth:`mark_dispatched` extends it to the
+        #: full lease: a replica that dies between claiming and publishing delays those
+        #: occurrences by this much, not by a whole lease.
+        self.publish_lease_seconds = PUBLISH_LEASE_SECONDS
 
     # -- connection management -------------------------------------------------------
 
@@ -422,7 +428,8 @@ class Store:
     ) -> list[ClaimedRun]:
         """Lease up to *limit* occurrences due at *now* (the cycle's database clock) and
         write their ledger rows; return them earliest first. *names* restricts the claim to
-        those schedules (a manual trigger)."""
+        those schedules (a manual trigger). The lease lasts *lease_seconds* once
+        :meth:`mark_dispatched` confirms the publish, ``publish_lease_seconds`` until then."""
         s, r = self.tables.schedules, self.tables.runs
         token = uuid.uuid4().hex
         lease_until = now + timedelta(seconds=lease_seconds)
@@ -430,7 +437,7 @@ class Store:
             # First: it reads the lease_token this statement overwrites.
             ("attempt", case((s.c.lease_token.is_(None), 1), else_=s.c.attempt + 1)),
             ("lease_token", token),
-            ("lease_until", lease_until),
+            ("lease_until", now + timedelta(seconds=min(lease_seconds, self.publish_lease_seconds))),
             ("lease_owner", owner),
         ]
         with self._transaction() as connection:
@@ -505,13 +512,25 @@ class Store:
         return claims
 
     @_translate_errors
-    def mark_dispatched(self, token: str, run_ids: Sequence[str]) -> None:
-        """Stamp the publish time on runs of one claim (fenced by its token)."""
-        if not run_ids:
+    def mark_dispatched(self, published: Sequence[ClaimedRun]) -> None:
+        """Stamp the publish time on the runs of *published* (claims of one batch) and
+        extend their leases from the publish lease to the full lease (both fenced by the
+        claim's token)."""
+        if not published:
             return
-        r = self.tables.runs
+        s, r = self.tables.schedules, self.tables.runs
+        token, run_ids = published[0].lease_token, [claim.run_id for claim in published]
         with self._transaction() as connection:
             now = database_now(self.engine)
+            connection.execute(
+                s.update()
+                .where(
+                    s.c.lease_token == token,
+                    s.c.name.in_([claim.schedule for claim in published]),
+                    s.c.lease_until < published[0].lease_until,  # a worker that started it may have extended it
+                )
+                .values(lease_until=published[0].lease_until)
+            )
             connection.execute(
                 r.update()
                 .where(r.c.lease_token == token, r.c.id.in_(list(run_ids)))

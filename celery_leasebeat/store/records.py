@@ -102,7 +102,7 @@ class ClaimedRun:
     occurrence: datetime
     run_id: str
     lease_token: str
-    lease_until: datetime
+    lease_until: datetime  # once published (until then, the store's shorter publish lease)
     attempt: int
     task: str
     args: list[Any]
