@@ -191,6 +191,7 @@ def inspect_definitions(app: Celery, config: LeaseBeatConfig) -> tuple[list[Sche
     definitions and one error per invalid entry (what ``leasebeat lint`` reports)."""
     definitions: dict[str, ScheduleDefinition] = {}
     errors: list[InvalidSchedule] = []
+    timezone = _app_timezone(app)
     for entry_name, entry in _beat_schedule_with_defaults(app).items():
         try:
             if not isinstance(entry, Mapping) or "task" not in entry or "schedule" not in entry:
@@ -199,7 +200,7 @@ def inspect_definitions(app: Celery, config: LeaseBeatConfig) -> tuple[list[Sche
                 entry_name,
                 entry["task"],
                 entry["schedule"],
-                timezone=_app_timezone(app),
+                timezone=timezone,
                 args=entry.get("args", ()),
                 kwargs=entry.get("kwargs"),
                 options=entry.get("options"),
@@ -372,13 +373,29 @@ def _count(value: int | None, schedule: str, label: str) -> int | None:
     return value
 
 
+#: crontab_expression's results by the fields as written: thousands of schedules often
+#: share a handful of crontabs, and spelling one out costs tens of microseconds.
+_CRONTAB_EXPRESSIONS: dict[tuple[str, ...], str] = {}
+
+
 def crontab_expression(value: crontab) -> str:
     """Celery's ``crontab`` as a 5-field expression over the same sets of values.
 
     Fields keep ``*`` and ``*/n`` where they came that way (the DST rule for repeated wall
     times looks at the hour field); anything else is spelled out as a list.
     """
+    originals = (value._orig_minute, value._orig_hour, value._orig_day_of_month, value._orig_month_of_year,
+                 value._orig_day_of_week)  # fmt: skip
+    key = tuple(f"{type(original).__name__}:{original}" for original in originals)
+    expression = _CRONTAB_EXPRESSIONS.get(key)
+    if expression is None:
+        expression = _spell_out(value)
+        if len(_CRONTAB_EXPRESSIONS) < 4096:
+            _CRONTAB_EXPRESSIONS[key] = expression
+    return expression
 
+
+def _spell_out(value: crontab) -> str:
     def field(values: set[int], full: range, original: Any) -> str:
         if set(values) == set(full):
             return "*"

@@ -64,6 +64,17 @@ def _zone(name: str) -> ZoneInfo:
     return ZoneInfo(name)
 
 
+@lru_cache(maxsize=4096)
+def _cron_problem(expression: str, day_or: bool, seconds: bool) -> str | None:
+    """What croniter finds wrong with *expression*, or None. Cached: parsing costs about a
+    millisecond, and thousands of schedules often share a handful of expressions."""
+    try:
+        croniter(expression, datetime(2000, 1, 1), day_or=day_or, second_at_beginning=seconds).get_next(datetime)
+    except (CroniterError, ValueError, KeyError, TypeError) as exc:
+        return str(exc)
+    return None
+
+
 @dataclass(frozen=True)
 class CronSpec:
     """A cron expression in a time zone.
@@ -97,15 +108,9 @@ class CronSpec:
                 f"schedule {schedule!r}: invalid cron expression {self.expression!r}: expected "
                 f"5 fields (minute hour day month weekday) or 6 with seconds first"
             )
-        try:
-            croniter(
-                self.expression,
-                datetime(2000, 1, 1),
-                day_or=self.day_or,
-                second_at_beginning=self.has_seconds,
-            ).get_next(datetime)
-        except (CroniterError, ValueError, KeyError, TypeError) as exc:
-            raise InvalidCron(f"schedule {schedule!r}: invalid cron expression {self.expression!r}: {exc}") from None
+        problem = _cron_problem(self.expression, self.day_or, self.has_seconds)
+        if problem is not None:
+            raise InvalidCron(f"schedule {schedule!r}: invalid cron expression {self.expression!r}: {problem}")
         return self
 
     def next_after(self, after: datetime, previous: datetime | None = None) -> datetime:

@@ -105,6 +105,14 @@ def test_sync_removes_code_rows_no_longer_registered(store: Store) -> None:
         store.get_schedule("b")
 
 
+def test_sync_of_a_registry_larger_than_the_drivers_parameter_limit(store: Store) -> None:
+    """70,000 names: more than one statement may bind on PostgreSQL or MySQL (65,535)."""
+    definitions = [every_minute(f"job-{i:05d}") for i in range(70_000)]
+    assert len(store.sync(definitions).inserted) == 70_000
+    report = store.sync(definitions[1:], remove_missing=True)
+    assert report.removed == ["job-00000"] and not report.inserted and not report.updated
+
+
 def test_override_wins_until_cleared(store: Store) -> None:
     store.sync([every_minute("a")])
     next_run = store.set_override("a", "0 5 * * *")

@@ -80,6 +80,14 @@ logger = logging.getLogger("celery_leasebeat.store")
 MAX_MISSED_COUNT = 10_000
 # Rows per IN-list when reading registrations back: well inside every backend's limits.
 _CHUNK = 500
+#: Rows per INSERT executemany when a sync adds many schedules (bounded memory per call).
+_INSERT_CHUNK = 5_000
+#: What sync reads to compare a row with its definition: the columns a definition sets,
+#: and the override, which decides the row's effective timing.
+_DEFINITION_COLUMNS = (
+    "name", "task", "args", "kwargs", "options", "kind", "cron", "interval_seconds", "timezone", "grace_seconds",
+    "max_runtime_seconds", "after_schedule", "inline_cap", "daily_cap", "dedupe_seconds", "origin", "override_cron",
+)  # fmt: skip
 #: See Store.publish_lease_seconds: ample for publishing one batch, broker retries included.
 PUBLISH_LEASE_SECONDS = 30.0
 #: What a claim reads back of each row it leased: what publishing and fencing need.
@@ -257,46 +265,57 @@ class Store:
         s = self.tables.schedules
         report = SyncReport()
         by_name = {d.name: d for d in definitions}
+        compared = [s.c[name] for name in _DEFINITION_COLUMNS]
+        first_occurrence: dict[Spec, datetime] = {}  # many schedules share one timing
+
+        def first_after(spec: Spec) -> datetime:
+            if spec not in first_occurrence:
+                first_occurrence[spec] = spec.next_after(now, previous=now)
+            return first_occurrence[spec]
+
         with self._transaction() as connection:
             now = self._now(connection)
-            existing: dict[str, Any] = {}
-            names = list(by_name)
-            for start in range(0, len(names), _CHUNK):
-                chunk = names[start : start + _CHUNK]
-                for row in connection.execute(select(s).where(s.c.name.in_(chunk))):
-                    existing[row.name] = row
-            new_rows: list[dict[str, Any]] = []
-            for name, definition in by_name.items():
-                if name not in existing:
-                    new_rows.append(self._definition_values(definition, now))
-                    report.inserted.append(name)
+            # One pass over the table, streamed, compared here: no IN list of every name
+            # (drivers bind at most 65,535 parameters, and a planner without statistics on a
+            # freshly filled table scans it once per chunk of names).
+            changed: list[tuple[str, dict[str, Any]]] = []
+            stale: list[str] = []
+            seen: set[str] = set()
+            rows = connection.execute(select(*compared, s.c.lease_until).execution_options(yield_per=_CHUNK))
+            for row in rows:
+                definition = by_name.get(row.name)
+                if definition is None:
+                    # Never a row whose occurrence is in flight: its run must be able to finish.
+                    if row.origin == "code" and (row.lease_until is None or row.lease_until < now):
+                        stale.append(row.name)
                     continue
-                row = existing[name]
+                seen.add(row.name)
                 changes = self._definition_changes(row, definition)
                 if not changes:
                     continue
                 old_spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron)
                 new_spec = definition.spec(row.override_cron)
                 if new_spec != old_spec:
-                    changes["next_run_at"] = new_spec.next_after(now, previous=now)
-                    report.retimed.append(name)
+                    changes["next_run_at"] = first_after(new_spec)
+                    report.retimed.append(row.name)
                 else:
-                    report.updated.append(name)
+                    report.updated.append(row.name)
+                changed.append((row.name, changes))
+            for name, changes in changed:
                 changes.update(updated_at=now, version=s.c.version + 1)
                 connection.execute(s.update().where(s.c.name == name).values(**changes))
-            if new_rows:
-                connection.execute(insert_ignoring_duplicates(self.engine, s), new_rows)
+            new_rows = [
+                self._definition_values(definition, now, first_after(definition.spec()))
+                for name, definition in by_name.items()
+                if name not in seen
+            ]
+            report.inserted.extend(row["name"] for row in new_rows)
+            for start in range(0, len(new_rows), _INSERT_CHUNK):
+                connection.execute(insert_ignoring_duplicates(self.engine, s), new_rows[start : start + _INSERT_CHUNK])
             if remove_missing:
-                # Never a row whose occurrence is in flight: its run must be able to finish.
-                unregistered = select(s.c.name).where(
-                    s.c.origin == "code", or_(s.c.lease_until.is_(None), s.c.lease_until < now)
-                )
-                if names:
-                    unregistered = unregistered.where(s.c.name.not_in(names))
-                stale = connection.execute(unregistered).scalars().all()
-                if stale:
-                    connection.execute(delete(s).where(s.c.name.in_(stale)))
-                    report.removed.extend(stale)
+                for start in range(0, len(stale), _CHUNK):
+                    connection.execute(delete(s).where(s.c.name.in_(stale[start : start + _CHUNK])))
+                report.removed.extend(stale)
         return report
 
     @staticmethod
@@ -321,13 +340,13 @@ class Store:
         }
 
     @classmethod
-    def _definition_values(cls, definition: ScheduleDefinition, now: datetime) -> dict[str, Any]:
+    def _definition_values(cls, definition: ScheduleDefinition, now: datetime, first: datetime) -> dict[str, Any]:
         return {
             **cls._definition_columns(definition),
             "name": definition.name,
             "override_cron": None,
             "enabled": True,
-            "next_run_at": definition.spec().next_after(now, previous=now),
+            "next_run_at": first,
             "attempt": 0,
             "created_at": now,
             "updated_at": now,
