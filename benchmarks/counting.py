@@ -12,7 +12,8 @@ What is counted:
   trip no statement event sees;
 - ``connects``: new database connections (SQLAlchemy pool, Django), each several round trips;
 - ``cycles``: completed calls of the scheduler's ``tick`` (returned without raising and
-  without logging an error), with ``tick_seconds`` their total wall time, and
+  without logging an error), with ``tick_seconds`` their total wall time,
+  ``longest_later_tick`` the longest after the first (in seconds), and
   ``first_cycle_done_at``/``last_cycle_done_at`` (epoch seconds) when the first and the latest
   returned; ``failed_cycles``: ticks that raised or logged an error (leasebeat logs a
   database error and backs off instead of raising), with ``last_error`` the latest message.
@@ -42,6 +43,7 @@ class Counters:
         self.tick_seconds = 0.0
         self.first_cycle_done_at: float | None = None
         self.last_cycle_done_at: float | None = None
+        self.longest_later_tick = 0.0  # the longest completed tick after the first
         self.last_error: str | None = None
 
     def add(self, name: str, amount: int = 1) -> None:
@@ -52,6 +54,8 @@ class Counters:
         with self._lock:
             self.values["cycles"] += 1
             self.tick_seconds += seconds
+            if self.first_cycle_done_at is not None:
+                self.longest_later_tick = max(self.longest_later_tick, seconds)
             self.last_cycle_done_at = time.time()
             if self.first_cycle_done_at is None:
                 self.first_cycle_done_at = self.last_cycle_done_at
@@ -66,6 +70,7 @@ class Counters:
             return {
                 **self.values,
                 "tick_seconds": self.tick_seconds,
+                "longest_later_tick": self.longest_later_tick,
                 "first_cycle_done_at": self.first_cycle_done_at,
                 "last_cycle_done_at": self.last_cycle_done_at,
                 "last_error": self.last_error,

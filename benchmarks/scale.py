@@ -31,7 +31,8 @@ from .harness import ROOT, Settings, cleanup, environment, start_beat, stop, wor
 
 UTC = timezone.utc
 #: django-celery-beat (2.8+) loads a crontab row only when its numeric hour is within two
-#: hours of now (or is 4, Celery's cleanup hour): the idle rows (hour 0) are loaded only from 22:00 to 02:59 UTC.
+#: hours of now (or is 4, Celery's cleanup hour): the idle rows (hour 0) are loaded only
+#: from 22:00 to 02:59 UTC.
 DJANGO_HOUR_WINDOW = 2
 
 
@@ -55,6 +56,7 @@ class Scale:
     redis_commands_per_cycle: float | None = None  # RedBeat: commandstats delta of its Redis
     per_cycle: str = ""  # what an idle cycle costs, in words
     tick_ms: float | None = None  # mean wall time inside one idle tick
+    longest_tick_ms: float | None = None  # the longest tick after the first (the idle window's)
     interval_seconds: float | None = None  # mean time from one idle tick to the next
     error: str | None = None
     note: str = ""
@@ -326,6 +328,7 @@ def _per_cycle(result: Scale, before: dict[str, Any], after: dict[str, Any], red
         return (after[name] - before[name]) / cycles
 
     result.tick_ms = (after["tick_seconds"] - before["tick_seconds"]) / cycles * 1000
+    result.longest_tick_ms = after["longest_later_tick"] * 1000
     result.interval_seconds = (after["last_cycle_done_at"] - before["last_cycle_done_at"]) / cycles
     if result.scheduler in ("leasebeat", "django"):
         result.statements_per_cycle = rate("statements")
@@ -369,7 +372,8 @@ def markdown_scale(results: Sequence[Scale | Mapping[str, Any]]) -> list[str]:
         "brackets). Per idle cycle, over the window: what the scheduler asks of its store (SQL",
         "statements, counted inside beat; commits and rollbacks, pool pre-pings and new connections",
         "are round trips too; RedBeat: the command count of its Redis, a private one when",
-        "`redis-server` is installed), the wall time inside one cycle, and the time between cycles.",
+        "`redis-server` is installed), the mean wall time inside one cycle (the longest in brackets),",
+        "and the time between cycles.",
         "",
         "| schedules | scheduler | start-up | RSS (peak) | per idle cycle | wall per cycle | between cycles |",
         "|---:|---|---:|---:|---|---:|---:|",
@@ -386,7 +390,11 @@ def markdown_scale(results: Sequence[Scale | Mapping[str, Any]]) -> list[str]:
         if not entry["complete"]:
             lines.append(f"| {entry['schedules']:,} | {_label(entry)} | failed (below) | {rss} | – | – | – |")
             continue
-        wall = "–" if entry["tick_ms"] is None else f"{entry['tick_ms']:,.2f} ms"
+        wall = "–"
+        if entry["tick_ms"] is not None:
+            wall = f"{entry['tick_ms']:,.1f} ms"
+            if entry.get("longest_tick_ms") is not None:
+                wall += f" ({entry['longest_tick_ms']:,.0f})"
         between = "–" if entry["interval_seconds"] is None else f"{entry['interval_seconds']:.1f} s"
         lines.append(
             f"| {entry['schedules']:,} | {_label(entry)} | {entry['startup_seconds']:,.1f} s | {rss} "

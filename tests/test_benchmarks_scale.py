@@ -37,6 +37,7 @@ def test_scale_smoke_for_every_scheduler(tmp_path: Path) -> None:
         assert result.cycles is not None and 3 <= result.cycles <= 10, result
         assert result.interval_seconds is not None and 0.5 < result.interval_seconds < 2, result
         assert result.tick_ms is not None and 0 < result.tick_ms < 1000, result
+        assert result.longest_tick_ms is not None and result.longest_tick_ms >= result.tick_ms, result
     by_name = {(r.scheduler, r.restart): r for r in results}
     for restart in (False, True):
         lease = by_name["leasebeat", restart]
