@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -28,6 +29,18 @@ _BATCH_ERRORS: tuple[type[BaseException], ...] = tuple(
 
 class BrokerUnavailable(Exception):
     """Publishing failed on a connection error; the unpublished claims were released."""
+
+
+@dataclass
+class _Outcome:
+    """What became of a claim batch's publish."""
+
+    published: list[ClaimedRun] = field(default_factory=list)
+    #: Known not to have reached the broker: released at once for the next cycle.
+    unpublished: list[ClaimedRun] = field(default_factory=list)
+    #: The batch's flush failed: some may have arrived. Left to their publish lease.
+    uncertain: list[ClaimedRun] = field(default_factory=list)
+    error: str | None = None
 
 
 class Dispatcher:
@@ -77,65 +90,82 @@ class Dispatcher:
                     self.config.max_attempts,
                 )
             to_publish.append(claim)
-        published, unpublished, broker_error = self._publish(to_publish, now)
-        if published:
+        outcome = self._publish(to_publish, now)
+        if outcome.published:
             logger.info(
                 "beat: dispatched %d occurrence(s): %s",
-                len(published),
-                ", ".join(c.label for c in published[:5]) + (" ..." if len(published) > 5 else ""),
+                len(outcome.published),
+                ", ".join(c.label for c in outcome.published[:5]) + (" ..." if len(outcome.published) > 5 else ""),
             )
-            self.store.mark_dispatched(published)
-        if unpublished:
-            self.store.release(unpublished, f"publish failed: {broker_error}")
-            raise BrokerUnavailable(f"{broker_error}; released {len(unpublished)} claimed occurrence(s) for retry")
-        return published
+            self.store.mark_dispatched(outcome.published)
+        if outcome.unpublished:
+            self.store.release(outcome.unpublished, f"publish failed: {outcome.error}")
+            raise BrokerUnavailable(
+                f"{outcome.error}; released {len(outcome.unpublished)} claimed occurrence(s) for retry"
+            )
+        if outcome.uncertain:
+            # Not released: a copy that did arrive may be starting under this lease. The
+            # publish lease expires soon; then a copy not yet started is fenced off and the
+            # occurrence is claimed and published again.
+            raise BrokerUnavailable(
+                f"{outcome.error}; delivery of {len(outcome.uncertain)} occurrence(s) is uncertain: "
+                f"they are dispatched again when their publish lease expires unless a worker starts them"
+            )
+        return outcome.published
 
-    def _publish(
-        self, claims: list[ClaimedRun], now: datetime
-    ) -> tuple[list[ClaimedRun], list[ClaimedRun], str | None]:
+    def _publish(self, claims: list[ClaimedRun], now: datetime) -> _Outcome:
         """Publish in order, as one batch where the transport allows it (see :func:`_batch`).
-        On a broker error, stop and return the rest as unpublished (all of them when the
-        batch's flush failed); a message that cannot be built at all is recorded failed and
-        the schedule advances, so one bad row cannot block the others."""
+
+        On a broker error while building the batch nothing of it was sent (a transport that
+        publishes message by message sent those before): the rest is unpublished. When the
+        batch's flush fails, delivery is uncertain. A message that cannot be built at all is
+        recorded failed and the schedule advances, so one bad row cannot block the others."""
+        outcome = _Outcome()
         if not claims:
-            return [], [], None
+            return outcome
         try:
             producer = self._connect()
         except Exception as exc:
             self.close()
-            return [], claims, _describe(exc)
-        published: list[ClaimedRun] = []
-        unpublished: list[ClaimedRun] = []
-        error = None
+            outcome.unpublished, outcome.error = claims, _describe(exc)
+            return outcome
+        # RuntimeError: kombu's batch refusing a message (its channel replaced by a retry).
+        broker_errors: tuple[type[BaseException], ...] = (*self._connection_errors(), *_BATCH_ERRORS, RuntimeError)
+        batched = bool(getattr(producer, "supports_batch_publish", False))
+        sent: list[ClaimedRun] = []
+        flushing = False
         started = time.monotonic()
         try:
-            with _batch(producer, len(claims)):
+            with _batch(producer):
                 for index, claim in enumerate(claims):
                     try:
                         self._send(claim, producer)
-                    except self._connection_errors() as exc:
-                        unpublished, error = claims[index:], _describe(exc)
-                        break
+                    except broker_errors:
+                        # Out of the batch with the error: kombu discards what it buffered.
+                        outcome.unpublished = (sent if batched else []) + claims[index:]
+                        sent = [] if batched else sent
+                        raise
                     except Exception as exc:
                         reason = f"could not be published: {_describe(exc)}"
                         logger.error("beat: %s %s", claim.label, reason)
                         self.store.give_up(claim, now, reason, outcome=RunState.FAILED)
                         metrics().runs.labels(claim.schedule, RunState.FAILED).inc()
                         continue
-                    published.append(claim)
-        except (*self._connection_errors(), *_BATCH_ERRORS) as exc:
-            # The batch's flush failed: none of it is known to be delivered. Released, it is
-            # claimed and published again; a message that did arrive carries the old lease
-            # token, so the worker's fenced start refuses it.
-            published, unpublished, error = [], published + unpublished, _describe(exc)
-        if error is not None:
+                    sent.append(claim)
+                flushing = True
+        except broker_errors as exc:
+            outcome.error = _describe(exc)
+            if flushing:
+                outcome.uncertain, sent = sent, []
+        if outcome.error is not None:
             self.close()
+        outcome.published = sent
         # The publish time on the database clock: the cycle's clock plus time spent since.
         elapsed = time.monotonic() - started
-        for claim in published:
+        for claim in outcome.published:
             lag = (now - claim.occurrence).total_seconds() + elapsed
             metrics().dispatch_lag.observe(max(lag, 0.0))
-        return published, unpublished, error
+        return outcome
 
     def _send(self, claim: ClaimedRun, producer: Any) -> None:
         options = dict(claim.options)
@@ -204,8 +234,13 @@ class _DeclaringOnce:
         return super().maybe_declare(entity, retry, **retry_policy)  # type: ignore[misc]
 
 
+#: Larger than any claim batch: kombu flushes a batch when its buffer reaches this, and the
+#: flush must happen at the end (where its failure is known to concern the whole batch).
+_UNBOUNDED_BATCH = 2**31
+
+
 @contextmanager
-def _batch(producer: Any, size: int) -> Iterator[None]:
+def _batch(producer: Any) -> Iterator[None]:
     """Publish a claim's batch as one batch where the transport supports it (kombu 5.7's
     ``Producer.batch``: one Redis pipeline instead of a round trip per message), resolving
     each exchange's bindings once rather than per message (kombu's virtual transports read
@@ -213,16 +248,19 @@ def _batch(producer: Any, size: int) -> Iterator[None]:
     channel = producer.channel
     get_table = getattr(channel, "get_table", None)
     if get_table is not None:
-        tables: dict[str, Any] = {}
+        tables: dict[tuple[str, int], Any] = {}
+        declared = producer.connection.declared_entities
 
         def cached_table(exchange: str) -> Any:
-            if exchange not in tables:
-                tables[exchange] = get_table(exchange)
-            return tables[exchange]
+            # Keyed by what this connection has declared: a queue bound mid-batch is seen.
+            key = (exchange, len(declared))
+            if key not in tables:
+                tables[key] = get_table(exchange)
+            return tables[key]
 
         channel.get_table = cached_table  # shadows the method on this channel for the batch
     try:
-        with producer.batch(max_size=max(size, 1)) if hasattr(producer, "batch") else nullcontext():
+        with producer.batch(max_size=_UNBOUNDED_BATCH) if hasattr(producer, "batch") else nullcontext():
             yield
     finally:
         if get_table is not None:

@@ -386,6 +386,8 @@ def crontab_expression(value: crontab) -> str:
     """
     originals = (value._orig_minute, value._orig_hour, value._orig_day_of_month, value._orig_month_of_year,
                  value._orig_day_of_week)  # fmt: skip
+    if not all(isinstance(original, (str, int)) for original in originals):
+        return _spell_out(value)  # sets, ranges, generators: no faithful key
     key = tuple(f"{type(original).__name__}:{original}" for original in originals)
     expression = _CRONTAB_EXPRESSIONS.get(key)
     if expression is None:

@@ -44,8 +44,8 @@ CONTENDED_RETRY_SECONDS = 0.05
 #: How often a replica refreshes its row in the replicas table (what `leasebeat status`
 #: shows): one UPDATE a minute, so an idle cycle stays the probe alone.
 HEARTBEAT_SECONDS = 60.0
-#: How often missed-run detection looks at the runs in flight; only while this database
-#: has any (a lease is held), so it costs nothing when idle.
+#: How often missed-run detection looks at the runs in flight while a lease is held;
+#: otherwise only with the heartbeat, so an idle cycle stays the probe alone.
 OVERDUE_CHECK_SECONDS = 10.0
 #: How often the registrations are upserted again although nothing changed in this process.
 RESYNC_SECONDS = 300.0
@@ -159,13 +159,16 @@ class LeaseScheduler(Scheduler):
         every OVERDUE_CHECK_SECONDS while runs are in flight, flag those that missed-run
         detection finds late or overrunning."""
         assert self._store is not None
-        if now >= self._heartbeat_due:
+        heartbeat = now >= self._heartbeat_due
+        if heartbeat:
             self._store.heartbeat_replica(
                 name=self.owner, host=socket.gethostname(), pid=os.getpid(), version=__version__, claims=self._claims
             )
             self._heartbeat_due = now + HEARTBEAT_SECONDS
-        # A run in flight holds its schedule's lease; the last probe saw none held: skip.
-        if now < self._overdue_check_due or (self._last_probe and self._last_probe.next_expiry is None):
+        # A run in flight holds its schedule's lease: while the last probe saw none held, look
+        # only with the heartbeat (a paused schedule's run whose lease expired is still seen).
+        idle = self._last_probe is not None and self._last_probe.next_expiry is None
+        if now < self._overdue_check_due or (idle and not heartbeat):
             return
         self._overdue_check_due = now + OVERDUE_CHECK_SECONDS
         for run, reason in self._store.flag_overdue():

@@ -527,3 +527,16 @@ def test_an_idle_probe_is_one_round_trip_and_survives_a_dropped_connection(serve
     finally:
         drop_tables(store)
         proxy.close()
+
+
+def test_the_probe_honours_a_pool_class_from_the_engine_options(table_prefix: str) -> None:
+    """NullPool (behind PgBouncer, say) takes no pool size: the probe's engine must not add one."""
+    from sqlalchemy.pool import NullPool
+
+    require_server(POSTGRES_URL, "PostgreSQL")
+    store = Store(POSTGRES_URL, table_prefix=table_prefix, engine_options={"poolclass": NullPool})
+    try:
+        store.sync([every_minute("a")])
+        assert store.probe().next_due is not None
+    finally:
+        drop_tables(store)

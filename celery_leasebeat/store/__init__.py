@@ -187,7 +187,7 @@ class Store:
             backend = self.url.get_backend_name()
             if backend == "sqlite":
                 options["connect_args"] = {"timeout": 30}
-            else:
+            elif "poolclass" not in self._engine_options:  # e.g. NullPool behind PgBouncer
                 options["pool_size"] = 1
             if backend in ("mysql", "mariadb"):
                 options["pool_recycle"] = 3600
@@ -314,7 +314,13 @@ class Store:
                 connection.execute(insert_ignoring_duplicates(self.engine, s), new_rows[start : start + _INSERT_CHUNK])
             if remove_missing:
                 for start in range(0, len(stale), _CHUNK):
-                    connection.execute(delete(s).where(s.c.name.in_(stale[start : start + _CHUNK])))
+                    connection.execute(
+                        delete(s).where(
+                            s.c.name.in_(stale[start : start + _CHUNK]),
+                            # Claimed since the scan? Its run must be able to finish.
+                            or_(s.c.lease_until.is_(None), s.c.lease_until < database_now(self.engine)),
+                        )
+                    )
                 report.removed.extend(stale)
         return report
 
