@@ -9,7 +9,7 @@ named ``bench-000000``... all send to BENCH_QUEUE. BENCH_MODE shapes them:
 - ``steady``: entries every BENCH_EVERY seconds, task ``bench.stamp``, which the worker runs
   and which appends what happened (schedule, nominal occurrence, publish and start times,
   task id) to the Redis list BENCH_RESULTS. Every published message carries its publish time
-  in a header (``before_task_publish``), whatever the scheduler.
+  and the publishing beat's pid in headers (``before_task_publish``), whatever the scheduler.
 - ``idle``: crontab entries due once a year, months away: nothing is due while measured.
 
 With BENCH_COUNT_FILE set, the beat process counts its database statements (SQLAlchemy and
@@ -33,6 +33,7 @@ EVERY = float(os.environ.get("BENCH_EVERY", "1"))
 QUEUE = os.environ.get("BENCH_QUEUE", "bench")
 RESULTS = os.environ.get("BENCH_RESULTS", "bench-results")
 PUBLISHED_HEADER = "bench_published"
+PUBLISHER_HEADER = "bench_publisher"  # the pid of the beat that published it
 
 if SCHEDULER == "django":
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "benchmarks.djsettings")
@@ -74,6 +75,7 @@ def stamp(self, name: str = "") -> None:
         "task_id": self.request.id,
         "occurrence": datetime.fromisoformat(occurrence).timestamp() if occurrence else None,
         "published": headers.get(PUBLISHED_HEADER, getattr(self.request, PUBLISHED_HEADER, None)),
+        "publisher": headers.get(PUBLISHER_HEADER, getattr(self.request, PUBLISHER_HEADER, None)),
         "started": started,
     }
     with app.connection_for_write() as connection:
@@ -85,6 +87,7 @@ if MODE == "steady":
     @before_task_publish.connect
     def _stamp_publish_time(headers=None, **kwargs):  # type: ignore[no-untyped-def]
         headers[PUBLISHED_HEADER] = time.time()
+        headers[PUBLISHER_HEADER] = os.getpid()
 
 
 def _schedules() -> dict:

@@ -5,8 +5,8 @@ appends its schedule, nominal occurrence, publish time and start time to a Redis
 - steady: *replicas* beat processes of one scheduler for a window of *seconds*: p50 and p99
   dispatch lag (published - nominal occurrence) and start lag (worker start - nominal
   occurrence), runs per expected occurrence, duplicates and losses.
-- failover: 3 beat replicas; after *before* seconds the first replica started is killed with
-  SIGKILL, then *after* more seconds: duplicates, losses, the longest gap between consecutive
+- failover: 3 beat replicas; after *before* seconds the replica that is dispatching is killed
+  with SIGKILL, then *after* more seconds: duplicates, losses, the longest gap between consecutive
   runs of one schedule across and after the kill, and runs per expected occurrence.
 
 The measured window starts once every schedule has run at least once (start-up, schema
@@ -34,9 +34,9 @@ their runs a third of an interval apart). Losses are the expected count (schedul
 schedulers do not coordinate replicas: with 3 replicas each publishes every run, which these
 numbers show as it is.
 
-Which replica is killed: the first one started (``beat0``). RedBeat's lock goes to the first
-replica that takes it, which is almost always the first started, so the kill usually hits
-the lock holder and the others wait for the lock to expire (``redbeat_lock_timeout``, 5 x
+Which replica is killed: the one that published the latest run (the beat's pid travels in a
+header, ``before_task_publish``). For RedBeat that is the lock holder, so the others wait for
+the lock to expire (``redbeat_lock_timeout``, 5 x
 ``beat_max_loop_interval`` = 25 s here): *after* must exceed that to see RedBeat resume. The
 leasebeat replicas are peers; any one is as good as another.
 """
@@ -262,13 +262,14 @@ def failover(
     settings: Settings, scheduler: str, schedules: int = 10, before: float = 20.0, after: float = 45.0
 ) -> Failover:
     """3 beat replicas of *scheduler* and one worker; *before* seconds into the window the
-    first replica started is killed (SIGKILL), and the window goes on *after* seconds."""
+    replica that published last is killed (SIGKILL), and the window goes on *after* seconds."""
     with _cluster(settings, scheduler, schedules, FAILOVER_REPLICAS) as cluster:
         start = _warm_up(cluster)
         _wait(cluster, start + before)
-        cluster.beats[0].send_signal(signal.SIGKILL)
+        victim = _dispatching_replica(cluster)
+        victim.send_signal(signal.SIGKILL)
         killed = time.time()
-        cluster.beats[0].wait()
+        victim.wait()
         end = killed + after
         _wait(cluster, end + DRAIN_SECONDS, expected_dead=1)
         records = _records(cluster)
@@ -291,6 +292,18 @@ def failover(
         longest_gap_schedule=gap_schedule,
         nominal=_nominal(scheduler),
     )
+
+
+def _dispatching_replica(cluster: _Cluster) -> subprocess.Popen[bytes]:
+    """The replica that published the latest run (its pid is in every record): RedBeat's
+    lock holder, or any one of the leasebeat peers. The first started when none is known."""
+    published = [r for r in _records(cluster) if r.get("publisher") and r.get("published")]
+    if published:
+        latest = max(published, key=lambda r: r["published"])["publisher"]
+        for beat in cluster.beats:
+            if beat.pid == latest:
+                return beat
+    return cluster.beats[0]
 
 
 # -- the arithmetic ---------------------------------------------------------------------------
@@ -435,8 +448,8 @@ def markdown_failover(results: Any) -> list[str]:
         "## Failover",
         "",
         f"{entries[0]['replicas']} beat replicas of one scheduler, schedules every {entries[0]['every']:g} s and a",
-        "worker; some seconds into the window the first replica started is killed (SIGKILL) and the window goes",
-        "on. Longest gap: the longest time between consecutive runs (publish times) of one schedule across or",
+        "worker; some seconds into the window the replica that published the latest run (RedBeat's lock holder)",
+        "is killed (SIGKILL) and the window goes on. Longest gap: the longest time between consecutive runs (publish times) of one schedule across or",
         "after the kill. Duplicates and losses as in the steady table (leasebeat exactly by occurrence; the",
         "others by the half-interval rule and expected minus counted runs). Celery's and django-celery-beat's",
         "schedulers do not coordinate replicas: each replica runs every schedule. RedBeat's survivors wait for",
