@@ -95,8 +95,9 @@ def _schedules() -> dict:
     if MODE == "steady":
         return {name: {"task": "bench.stamp", "schedule": EVERY, "args": (name,)} for name in names}
     if MODE == "idle":
-        month = (datetime.now(timezone.utc).month + 5) % 12 + 1  # half a year away
-        due = crontab(minute=0, hour=0, day_of_month=1, month_of_year=month)
+        now = datetime.now(timezone.utc)
+        month = (now.month + 5) % 12 + 1  # half a year away; the hour as django's rows (scale.py)
+        due = crontab(minute=0, hour=now.hour, day_of_month=1, month_of_year=month)
         return {name: {"task": "bench.noop", "schedule": due, "args": (name,)} for name in names}
     return {name: {"task": "bench.noop", "schedule": crontab(minute=MINUTE), "args": (name,)} for name in names}
 
