@@ -23,7 +23,10 @@ def write(results: dict[str, Any], output: Path) -> None:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    lines = ["# Benchmark results", "", f"Measured {results['started']} with `{results['command']}`.", ""]
+    lines = ["# Benchmark results", "", f"Measured {results['started']} with `{results['command']}`."]
+    for rerun in results.get("reruns", []):  # a scenario measured again later, merged in
+        lines.append(f"The {rerun['section']} section: measured again {rerun['started']} with `{rerun['command']}`.")
+    lines.append("")
     if results.get("bursts"):
         lines += burst_markdown(results)
     if results.get("leasebeat_replicas"):
