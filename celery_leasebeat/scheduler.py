@@ -168,9 +168,13 @@ class LeaseScheduler(Scheduler):
         # A run in flight holds its schedule's lease: while the last probe saw none held, look
         # only with the heartbeat (a paused schedule's run whose lease expired is still seen).
         idle = self._last_probe is not None and self._last_probe.next_expiry is None
-        if now < self._overdue_check_due or (idle and not heartbeat):
+        if idle:
+            if not heartbeat:
+                return
+        elif now < self._overdue_check_due:
             return
-        self._overdue_check_due = now + OVERDUE_CHECK_SECONDS
+        else:  # the 10-second cadence runs only while a lease is held
+            self._overdue_check_due = now + OVERDUE_CHECK_SECONDS
         for run, reason in self._store.flag_overdue():
             kind = "overrun" if run["state"] == RunState.STARTED else "late_start"
             metrics().alerts.labels(run["schedule"], kind).inc()
