@@ -28,7 +28,8 @@ _BATCH_ERRORS: tuple[type[BaseException], ...] = tuple(
 
 
 class BrokerUnavailable(Exception):
-    """Publishing failed on a connection error; the unpublished claims were released."""
+    """Publishing failed on a broker error: the claims known unpublished were released, and
+    those whose delivery is uncertain (a failed batch flush) were left to their publish lease."""
 
 
 @dataclass
