@@ -244,18 +244,25 @@ def steady(settings: Settings, scheduler: str, schedules: int = 10, seconds: flo
         schedules=schedules,
         replicas=replicas,
         seconds=seconds,
-        every=EVERY,
-        runs=measure.runs,
-        expected=measure.expected,
-        runs_per_occurrence=measure.runs / measure.expected if measure.expected else 0.0,
-        duplicates=measure.duplicates,
-        losses=measure.losses,
+        **_counts(measure),
         dispatch_lag_p50=percentile(measure.dispatch_lags, 50),
         dispatch_lag_p99=percentile(measure.dispatch_lags, 99),
         start_lag_p50=percentile(measure.start_lags, 50),
         start_lag_p99=percentile(measure.start_lags, 99),
         nominal=_nominal(scheduler),
     )
+
+
+def _counts(measure: _Measure) -> dict[str, Any]:
+    """The fields Steady and Failover share: what the window held against what was due."""
+    return {
+        "every": EVERY,
+        "runs": measure.runs,
+        "expected": measure.expected,
+        "runs_per_occurrence": measure.runs / measure.expected if measure.expected else 0.0,
+        "duplicates": measure.duplicates,
+        "losses": measure.losses,
+    }
 
 
 def failover(
@@ -281,12 +288,7 @@ def failover(
         replicas=FAILOVER_REPLICAS,
         before=before,
         after=after,
-        every=EVERY,
-        runs=measure.runs,
-        expected=measure.expected,
-        runs_per_occurrence=measure.runs / measure.expected if measure.expected else 0.0,
-        duplicates=measure.duplicates,
-        losses=measure.losses,
+        **_counts(measure),
         runs_after_kill=sum(1 for r in records if r.get("published") is not None and killed <= r["published"] < end),
         longest_gap=gap,
         longest_gap_schedule=gap_schedule,

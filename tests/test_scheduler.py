@@ -73,6 +73,21 @@ def declare_queue(app: Celery) -> None:
         connection.SimpleQueue(app.conf.task_default_queue).close()
 
 
+def three_due_jobs(app: Celery) -> tuple[LeaseScheduler, Store]:
+    """Three every-minute schedules on *app*'s queue, synced by a first tick, then all due
+    a second ago: the next tick claims and publishes them."""
+    for i in range(3):
+        register_schedule("proj.work", "* * * * *", name=f"job{i}", app=app)
+    declare_queue(app)
+    scheduler = LeaseScheduler(app)
+    scheduler.tick()
+    store = store_of(app)
+    due = store.now() - timedelta(seconds=1)
+    with store.engine.begin() as connection:
+        connection.execute(store.tables.schedules.update().values(next_run_at=due))
+    return scheduler, store
+
+
 @pytest.fixture
 def cleanup() -> Iterator[list[tuple[Celery, str]]]:
     """(app, database URL without any proxy): their tables are dropped afterwards."""
@@ -174,16 +189,7 @@ def test_broker_outage_releases_claims_and_retries_them(
         broker = REDIS_URL.replace(f"{target.hostname}:{target.port}", f"127.0.0.1:{proxy.port}")
         app = make_app(sqlite_url(tmp_path), broker, leasebeat_polling_interval=5)
         cleanup.append((app, sqlite_url(tmp_path)))
-        for i in range(3):
-            register_schedule("proj.work", "* * * * *", name=f"job{i}", app=app)
-        declare_queue(app)
-        scheduler = LeaseScheduler(app)
-        scheduler.tick()
-        store = store_of(app)
-        s = store.tables.schedules
-        due = store.now() - timedelta(seconds=1)
-        with store.engine.begin() as connection:
-            connection.execute(s.update().values(next_run_at=due))
+        scheduler, store = three_due_jobs(app)
 
         proxy.cut()
         with caplog.at_level(logging.ERROR, logger="celery_leasebeat"):
@@ -217,16 +223,8 @@ def test_a_batch_whose_flush_fails_waits_for_its_publish_lease_and_never_runs_tw
         pytest.skip(f"kombu {kombu.__version__} has no batch publishing")
     app = make_app(sqlite_url(tmp_path), REDIS_URL, leasebeat_polling_interval=5)
     cleanup.append((app, sqlite_url(tmp_path)))
-    for i in range(3):
-        register_schedule("proj.work", "* * * * *", name=f"job{i}", app=app)
-    declare_queue(app)
-    scheduler = LeaseScheduler(app)
-    scheduler.tick()
-    store = store_of(app)
+    scheduler, store = three_due_jobs(app)
     store.publish_lease_seconds = 1
-    due = store.now() - timedelta(seconds=1)
-    with store.engine.begin() as connection:
-        connection.execute(store.tables.schedules.update().values(next_run_at=due))
 
     real_flush = kombu_redis.PublishBatch.flush
 
