@@ -29,6 +29,7 @@ from .errors import (
     InvalidSchedule,
     LeaseBeatError,
     MissingTables,
+    OutdatedTables,
     SchedulePaused,
     UnknownSchedule,
 )
@@ -101,7 +102,7 @@ def _errors_as_exit_codes(command: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except (UnknownSchedule, MissingTables) as exc:
+        except (UnknownSchedule, MissingTables, OutdatedTables) as exc:
             _fail(str(exc), EXIT_NOT_FOUND)
         except SchedulePaused as exc:
             _fail(str(exc), EXIT_PAUSED)

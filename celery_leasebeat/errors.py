@@ -31,6 +31,10 @@ class MissingTables(LeaseBeatError):
     """The database has no leasebeat tables (and this caller must not create them)."""
 
 
+class OutdatedTables(LeaseBeatError):
+    """The leasebeat tables are at an older schema than this version: run ``leasebeat migrate``."""
+
+
 class SchedulePaused(LeaseBeatError):
     """The schedule is paused: it cannot be triggered until it is resumed."""
 

@@ -14,7 +14,6 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import lru_cache
 from typing import Any
 
 from celery.beat import Scheduler
@@ -27,7 +26,6 @@ from .errors import DatabaseConflict, DatabaseUnavailable, InvalidSchedule
 from .metrics import metrics, serve_beat_metrics
 from .registry import collect_definitions, registrations
 from .store import Probe, RunState, Store
-from .timing import Spec
 
 logger = logging.getLogger("celery_leasebeat.scheduler")
 
@@ -47,6 +45,11 @@ HEARTBEAT_SECONDS = 60.0
 #: How often missed-run detection looks at the runs in flight while a lease is held;
 #: otherwise only with the heartbeat, so an idle cycle stays the probe alone.
 OVERDUE_CHECK_SECONDS = 10.0
+#: How long after another replica's schedule is due again (its ``following_at``) to look
+#: whether that replica dispatched it: the replica that dispatched a run wakes on time for
+#: the next occurrence, and the others look only this much later, so they do not race it
+#: for every occurrence yet take over within this delay when it died.
+TAKEOVER_DELAY_SECONDS = 0.25
 #: How often the registrations are upserted again although nothing changed in this process.
 RESYNC_SECONDS = 300.0
 
@@ -238,9 +241,7 @@ class LeaseScheduler(Scheduler):
             metrics().claims.inc(len(claims))
             assert self._dispatcher is not None
             for claim in self._dispatcher.dispatch(claims, probe.now):
-                self._inflight[claim.schedule] = _InFlight(
-                    claim.lease_token, _following(claim.spec, claim.occurrence, probe.now)
-                )
+                self._inflight[claim.schedule] = _InFlight(claim.lease_token, claim.following)
             # More may be due (a full batch) and the wait must be computed from a fresh
             # probe that sees what this cycle changed: tick again at once.
             return 0.0
@@ -248,12 +249,14 @@ class LeaseScheduler(Scheduler):
 
     def _wait(self, probe: Probe) -> float:
         """Seconds until the earliest moment something can be due, capped by the polling
-        interval: the earliest unleased ``next_run_at``, the earliest lease expiry, and the
-        next occurrence of each run this replica has in flight (usually finished and
-        released by then)."""
+        interval: the earliest unleased ``next_run_at``, the earliest lease expiry, the next
+        occurrence of each run this replica has in flight (usually finished and released by
+        then), and, TAKEOVER_DELAY_SECONDS later, of any replica's run in flight."""
         assert self._store is not None and self._config is not None
         now = probe.now
         candidates = [t for t in (probe.next_due, probe.next_expiry) if t is not None]
+        if probe.next_following is not None:
+            candidates.append(probe.next_following + timedelta(seconds=TAKEOVER_DELAY_SECONDS))
         overdue = []
         for name, flight in list(self._inflight.items()):
             if flight.following > now:
@@ -289,10 +292,3 @@ class LeaseScheduler(Scheduler):
         if self._store is not None:
             self._store.dispose()
         super().close()
-
-
-@lru_cache(maxsize=4096)
-def _following(spec: Spec, occurrence: datetime, now: datetime) -> datetime:
-    """The next occurrence after the one just dispatched (or, when catching up, after now).
-    Cached: a burst of schedules with one expression and one occurrence computes it once."""
-    return spec.next_after(max(occurrence, now), previous=occurrence)

@@ -20,6 +20,7 @@ from kombu import Connection
 from sqlalchemy import event
 
 from celery_leasebeat import LeaseScheduler, register_schedule
+from celery_leasebeat.scheduler import TAKEOVER_DELAY_SECONDS
 from celery_leasebeat.store import RunState, Store
 
 from .conftest import POSTGRES_URL, REDIS_URL, drop_tables, require_server, sqlite_url
@@ -132,6 +133,27 @@ def test_the_wait_ends_at_the_next_due_occurrence(tmp_path: Path, cleanup: list[
     # It dispatched (its broker is in memory); the leased schedule's next occurrence is the wait.
     runs = store_of(app).list_runs("every-second")
     assert runs and runs[0]["state"] == RunState.DISPATCHED
+
+
+def test_a_replica_wakes_when_a_run_another_dispatched_is_due_again(
+    tmp_path: Path, cleanup: list[tuple[Celery, str]]
+) -> None:
+    """A replica that died after dispatching takes its memory of the run along: the others
+    learn from the probe when the schedule is due again, and look shortly after."""
+    app = make_app(sqlite_url(tmp_path), leasebeat_polling_interval=20)
+    cleanup.append((app, sqlite_url(tmp_path)))
+    register_schedule("proj.work", "* * * * * *", name="every-second", app=app)
+    dispatcher = LeaseScheduler(app)
+    while not store_of(app).list_runs("every-second"):
+        time.sleep(dispatcher.tick())
+    # No worker: the run's lease stays held, as while a run is in flight.
+    following = store_of(app).get_schedule("every-second")["following_at"]
+    survivor = LeaseScheduler(app)
+    wait = survivor.tick()
+    now = store_of(app).now()
+    expected = (following - now).total_seconds() + TAKEOVER_DELAY_SECONDS
+    assert following > now and 0 < wait <= 1 + TAKEOVER_DELAY_SECONDS
+    assert abs(wait - expected) < 0.2, (wait, expected)
 
 
 def test_database_outage_backs_off_and_never_double_dispatches(

@@ -321,6 +321,34 @@ def test_probe_reports_the_clock_next_due_and_next_expiry(store: Store) -> None:
     assert probe.next_expiry is not None and probe.next_expiry > probe.now
 
 
+def test_the_probe_reports_when_runs_in_flight_are_due_again_until_their_leases_go(store: Store) -> None:
+    """``following_at`` wakes the other replicas when a schedule another one dispatched is due
+    again; it is set once published and cleared with the lease, so the probe walks only the
+    rows in flight."""
+    yearly = [ScheduleDefinition(name=name, task="tasks.work", kind="cron", cron="0 0 1 1 *") for name in "abc"]
+    every_7s = ScheduleDefinition(name="d", task="tasks.work", kind="interval", interval_seconds=7.0)
+    store.sync([*yearly, every_7s])
+    now = store.now()
+    make_due(store, "a", "b", "c", "d", at=now - timedelta(seconds=1))
+    claims = {claim.schedule: claim for claim in claim_all(store, now)}
+    assert store.probe().next_following is None  # claimed, not yet published
+    store.mark_dispatched(list(claims.values()))  # two different following occurrences: one statement
+    for name, claim in claims.items():
+        assert claim.following > now
+        assert store.get_schedule(name)["following_at"] == claim.following
+    assert claims["d"].following < claims["a"].following == claims["c"].following
+    assert store.probe().next_following == claims["d"].following
+
+    assert finish(store, claims["d"], RunState.SUCCEEDED, 5).applied
+    store.give_up(claims["a"], now, "no outcome")
+    store.release([claims["b"]], "publish failed")
+    for name in ("a", "b", "d"):
+        assert store.get_schedule(name)["following_at"] is None
+    assert store.probe().next_following == claims["c"].following
+    assert finish(store, claims["c"], RunState.FAILED, 5).applied
+    assert store.probe().next_following is None
+
+
 def test_give_up_records_lost_and_advances(store: Store) -> None:
     store.sync([every_minute("a")])
     now = store.now()

@@ -17,6 +17,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
 from ..store import Store
+from ..store.tables import SCHEMA_REVISION
 
 HERE = Path(__file__).parent
 
@@ -51,15 +52,17 @@ def current(store: Store) -> str | None:
 def upgrade(store: Store, revision: str = "head") -> tuple[str | None, str]:
     """Apply the migrations up to *revision*; return (before, after).
 
-    Tables that the scheduler created on first use (without migrations) are at the newest
-    schema of the version that created them: they are stamped, not created again.
+    Tables created on first use are stamped with their revision when created. Tables
+    without a stamp were created on first use by a version before stamps: they are stamped
+    0001 (or the current revision, when they already have every column) and migrated on.
     """
     config = alembic_config(store)
     before = current(store)
-    if before is None and inspect(store.engine).has_table(
-        store.tables.schedules.name, schema=store.tables.metadata.schema
-    ):
-        command.stamp(config, revision)
-    else:
-        command.upgrade(config, revision)
+    schedules = store.tables.schedules
+    inspector = inspect(store.engine)
+    if before is None and inspector.has_table(schedules.name, schema=schedules.schema):
+        present = {column["name"] for column in inspector.get_columns(schedules.name, schema=schedules.schema)}
+        complete = all(column.name in present for column in schedules.columns)
+        command.stamp(config, SCHEMA_REVISION if complete else "0001")
+    command.upgrade(config, revision)
     return before, current(store) or "base"

@@ -30,12 +30,20 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, and_, case, create_engine, delete, event, func, inspect, or_, select
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError, ProgrammingError
+from sqlalchemy.exc import (
+    DBAPIError,
+    IntegrityError,
+    InterfaceError,
+    NoSuchTableError,
+    OperationalError,
+    ProgrammingError,
+)
 
 from ..errors import (
     DatabaseConflict,
     DatabaseUnavailable,
     MissingTables,
+    OutdatedTables,
     SchedulePaused,
     SpendCapExceeded,
     UnknownJob,
@@ -59,7 +67,7 @@ from .records import (
     run_id_for,
     spec_for,
 )
-from .tables import Tables, build_tables
+from .tables import SCHEMA_REVISION, Tables, build_tables
 
 __all__ = [
     "ClaimedRun",
@@ -205,23 +213,49 @@ class Store:
 
     @_translate_errors
     def ensure_schema(self) -> None:
-        """Create the tables if they do not exist (first use, never at import)."""
+        """On first use (never at import): create the tables if they do not exist, stamped
+        with their migration, or check that existing ones have every column this version
+        reads. One metadata query per process."""
         if self._schema_ready:
             return
-        if not self.create_tables:
-            if not inspect(self.engine).has_table(self.tables.schedules.name, schema=self.tables.metadata.schema):
+        tables = self.tables
+        columns = {c["name"] for c in self._inspect_columns(tables.schedules)}
+        if not columns:
+            if not self.create_tables:
                 raise MissingTables(
                     f"no leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}): start beat once or "
                     f"run `leasebeat migrate`"
                 )
-            self._schema_ready = True
-            return
+            self._create_tables()
+        else:
+            missing = [c.name for c in tables.schedules.columns if c.name not in columns]
+            if missing:
+                raise OutdatedTables(
+                    f"the leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}) were created by an "
+                    f"older version: {tables.schedules.name} lacks {', '.join(missing)}. Run `leasebeat migrate`."
+                )
+        self._schema_ready = True
+
+    def _inspect_columns(self, table: Any) -> list[Any]:
+        """The columns *table* has in the database; empty when it does not exist."""
         try:
-            self.tables.metadata.create_all(self.engine, checkfirst=True)
+            return inspect(self.engine).get_columns(table.name, schema=table.schema)
+        except NoSuchTableError:
+            return []
+
+    def _create_tables(self) -> None:
+        tables = self.tables
+        try:
+            tables.metadata.create_all(self.engine, checkfirst=True)
         except (IntegrityError, ProgrammingError, OperationalError):
             # Another process created them at the same moment: fine if they exist now.
-            self.tables.metadata.create_all(self.engine, checkfirst=True)
-        self._schema_ready = True
+            tables.metadata.create_all(self.engine, checkfirst=True)
+        try:
+            with self.engine.begin() as connection:
+                if connection.execute(select(tables.version.c.version_num)).first() is None:
+                    connection.execute(tables.version.insert().values(version_num=SCHEMA_REVISION))
+        except IntegrityError:
+            pass  # another process stamped them at the same moment
 
     @contextmanager
     def _transaction(self) -> Iterator[Connection]:
@@ -411,8 +445,9 @@ class Store:
 
     @_translate_errors
     def probe(self) -> Probe:
-        """Read the clock, the earliest unleased ``next_run_at`` and the earliest lease
-        expiry in one statement, each answered from an index."""
+        """Read the clock, the earliest unleased ``next_run_at``, the earliest lease expiry
+        and the earliest ``following_at`` of a live lease in one statement, each answered
+        from an index."""
         s = self.tables.schedules
         self.ensure_schema()
         now = database_now(self.engine)
@@ -426,7 +461,20 @@ class Store:
         next_expiry = (
             select(s.c.lease_until).where(s.c.lease_until >= now).order_by(s.c.lease_until).limit(1).scalar_subquery()
         )
-        query = select(now.label("now"), next_due.label("next_due"), next_expiry.label("next_expiry"))
+        # Live leases only: following_at is cleared with the lease, so this walks the rows in flight.
+        next_following = (
+            select(s.c.following_at)
+            .where(s.c.following_at > now, s.c.lease_until >= now)
+            .order_by(s.c.following_at)
+            .limit(1)
+            .scalar_subquery()
+        )
+        query = select(
+            now.label("now"),
+            next_due.label("next_due"),
+            next_expiry.label("next_expiry"),
+            next_following.label("next_following"),
+        )
         try:
             with self.probe_engine.connect() as connection:
                 row = connection.execute(query).one()
@@ -437,7 +485,7 @@ class Store:
             # found here: it was discarded, so try once more on a fresh one.
             with self.probe_engine.connect() as connection:
                 row = connection.execute(query).one()
-        return Probe(now=row.now, next_due=row.next_due, next_expiry=row.next_expiry)
+        return Probe(now=row.now, next_due=row.next_due, next_expiry=row.next_expiry, next_following=row.next_following)
 
     @_translate_errors
     def claim(
@@ -464,6 +512,7 @@ class Store:
             ("lease_token", token),
             ("lease_until", now + timedelta(seconds=min(lease_seconds, self.publish_lease_seconds))),
             ("lease_owner", owner),
+            ("following_at", None),  # set once published
         ]
         with self._transaction() as connection:
             due = self._due(now) if names is None else and_(self._due(now), s.c.name.in_(list(names)))
@@ -475,25 +524,28 @@ class Store:
                 .where(s.c.lease_token == token)
                 .order_by(s.c.next_run_at)
             ).all()
-            claims = [
-                ClaimedRun(
-                    schedule=row.name,
-                    occurrence=row.next_run_at,
-                    run_id=run_id_for(row.name, row.next_run_at),
-                    lease_token=token,
-                    lease_until=lease_until,
-                    attempt=row.attempt,
-                    task=row.task,
-                    args=list(row.args or []),
-                    kwargs=dict(row.kwargs or {}),
-                    options=dict(row.options or {}),
-                    spec=spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron),
-                    grace_seconds=row.grace_seconds,
-                    after=row.after_schedule,
-                    inline_cap=row.inline_cap,
+            claims = []
+            for row in rows:
+                spec = spec_for(row.kind, row.cron, row.interval_seconds, row.timezone, row.override_cron)
+                claims.append(
+                    ClaimedRun(
+                        schedule=row.name,
+                        occurrence=row.next_run_at,
+                        run_id=run_id_for(row.name, row.next_run_at),
+                        lease_token=token,
+                        lease_until=lease_until,
+                        attempt=row.attempt,
+                        task=row.task,
+                        args=list(row.args or []),
+                        kwargs=dict(row.kwargs or {}),
+                        options=dict(row.options or {}),
+                        spec=spec,
+                        following=following_occurrence(spec, row.next_run_at, now),
+                        grace_seconds=row.grace_seconds,
+                        after=row.after_schedule,
+                        inline_cap=row.inline_cap,
+                    )
                 )
-                for row in rows
-            ]
             ledger = [
                 {
                     "id": claim.run_id,
@@ -538,23 +590,33 @@ class Store:
 
     @_translate_errors
     def mark_dispatched(self, published: Sequence[ClaimedRun]) -> None:
-        """Stamp the publish time on the runs of *published* (claims of one batch) and
-        extend their leases from the publish lease to the full lease (both fenced by the
-        claim's token)."""
+        """Stamp the publish time on the runs of *published* (claims of one batch), extend
+        their leases from the publish lease to the full lease and record when each schedule
+        is due again (all fenced by the claim's token)."""
         if not published:
             return
         s, r = self.tables.schedules, self.tables.runs
         token, run_ids = published[0].lease_token, [claim.run_id for claim in published]
+        by_following: dict[datetime, list[str]] = {}
+        for claim in published:
+            by_following.setdefault(claim.following, []).append(claim.schedule)
+        if len(by_following) == 1:  # the common case: a burst of one expression, or one schedule
+            following: Any = published[0].following
+        else:
+            following = case(*((s.c.name.in_(names), at) for at, names in by_following.items()))
         with self._transaction() as connection:
             now = database_now(self.engine)
             connection.execute(
                 s.update()
-                .where(
-                    s.c.lease_token == token,
-                    s.c.name.in_([claim.schedule for claim in published]),
-                    s.c.lease_until < published[0].lease_until,  # a worker that started it may have extended it
+                .where(s.c.lease_token == token, s.c.name.in_([claim.schedule for claim in published]))
+                .values(
+                    # A worker that started the run may have extended the lease already.
+                    lease_until=case(
+                        (s.c.lease_until < published[0].lease_until, published[0].lease_until),
+                        else_=s.c.lease_until,
+                    ),
+                    following_at=following,
                 )
-                .values(lease_until=published[0].lease_until)
             )
             connection.execute(
                 r.update()
@@ -578,7 +640,7 @@ class Store:
                 result = connection.execute(
                     s.update()
                     .where(s.c.lease_token == token, s.c.name.in_([c.schedule for c in group]))
-                    .values(lease_token=None, lease_until=None, lease_owner=None)
+                    .values(lease_token=None, lease_until=None, lease_owner=None, following_at=None)
                 )
                 released += result.rowcount
                 connection.execute(
@@ -607,6 +669,7 @@ class Store:
                     lease_token=None,
                     lease_until=None,
                     lease_owner=None,
+                    following_at=None,
                     attempt=0,
                     updated_at=now,
                     version=s.c.version + 1,
@@ -754,6 +817,7 @@ class Store:
                     lease_token=None,
                     lease_until=None,
                     lease_owner=None,
+                    following_at=None,
                     attempt=0,
                     updated_at=now,
                     version=s.c.version + 1,
@@ -1142,6 +1206,14 @@ class Store:
             now = self._now(connection)
             rows = connection.execute(select(p).order_by(p.c.last_cycle_at.desc())).all()
         return now, [dict(row._mapping) for row in rows]
+
+
+@functools.lru_cache(maxsize=4096)
+def following_occurrence(spec: Spec, occurrence: datetime, now: datetime) -> datetime:
+    """When a schedule whose *occurrence* is dispatched at *now* is due again: the next
+    occurrence after it (after now, when catching up). Cached: a burst of one expression
+    at one occurrence computes it once."""
+    return spec.next_after(max(occurrence, now), previous=occurrence)
 
 
 def advance(spec: Spec, occurrence: datetime, now: datetime) -> tuple[datetime, int]:

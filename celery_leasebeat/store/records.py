@@ -92,6 +92,8 @@ class Probe:
     next_due: datetime | None
     #: Earliest expiry of a live lease.
     next_expiry: datetime | None
+    #: Earliest moment a schedule whose run is in flight is due again (see ``following_at``).
+    next_following: datetime | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +111,8 @@ class ClaimedRun:
     kwargs: dict[str, Any]
     options: dict[str, Any]
     spec: Spec
+    #: When the schedule is due again once this occurrence is dispatched.
+    following: datetime
     grace_seconds: float | None = None
     after: str | None = None
     inline_cap: int | None = None

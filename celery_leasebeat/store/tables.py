@@ -22,6 +22,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
     Text,
@@ -64,12 +65,19 @@ class UTCDateTime(TypeDecorator[datetime]):
         return instant.astimezone(UTC)
 
 
+#: The migration (celery_leasebeat/migrations/versions) whose schema these tables are:
+#: tables created on first use are stamped with it.
+SCHEMA_REVISION = "0002"
+
+
 @dataclass(frozen=True)
 class Tables:
     metadata: MetaData
     schedules: Table
     runs: Table
     replicas: Table
+    #: Alembic's version table, under the prefix: which migration the tables are at.
+    version: Table
 
 
 def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Tables:
@@ -114,6 +122,11 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         Column("lease_until", UTCDateTime),
         Column("lease_token", String(TOKEN_LENGTH)),
         Column("lease_owner", String(255)),
+        # While a lease is held: the occurrence after the one in flight, when the schedule
+        # is due again. Every replica's probe reads the earliest, so the survivors of a
+        # replica that died after dispatching wake when its schedules are due, not a polling
+        # interval later. A hint: cleared whenever the lease is.
+        Column("following_at", UTCDateTime),
         # Dispatches of the occurrence in flight without an outcome (1 on a fresh claim).
         Column("attempt", Integer, nullable=False, default=0),
         Column("created_at", UTCDateTime, nullable=False),
@@ -122,6 +135,7 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         Index(f"ix_{prefix}schedules_next_run_at", "next_run_at"),
         Index(f"ix_{prefix}schedules_lease_until", "lease_until"),
         Index(f"ix_{prefix}schedules_lease_token", "lease_token"),
+        Index(f"ix_{prefix}schedules_following_at", "following_at"),
         Index(f"ix_{prefix}schedules_after_schedule", "after_schedule"),
     )
     runs = Table(
@@ -174,4 +188,11 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         Column("claims", Integer, nullable=False, default=0),
         Index(f"ix_{prefix}replicas_last_cycle_at", "last_cycle_at"),
     )
-    return Tables(metadata=metadata, schedules=schedules, runs=runs, replicas=replicas)
+    version = Table(
+        f"{prefix}alembic_version",
+        metadata,
+        # Alembic's own layout, so `leasebeat migrate` reads and moves it.
+        Column("version_num", String(32), nullable=False),
+        PrimaryKeyConstraint("version_num", name=f"{prefix}alembic_version_pkc"),
+    )
+    return Tables(metadata=metadata, schedules=schedules, runs=runs, replicas=replicas, version=version)
