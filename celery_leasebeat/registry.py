@@ -206,6 +206,7 @@ def inspect_definitions(app: Celery, config: LeaseBeatConfig) -> tuple[list[Sche
                 options=entry.get("options"),
                 app=app,
                 allow_missing=False,
+                app_timezone=timezone,
             )
         except InvalidSchedule as exc:
             errors.append(exc)
@@ -304,6 +305,8 @@ def validate(definition: ScheduleDefinition) -> ScheduleDefinition:
     """Raise :class:`InvalidSchedule` (naming the schedule) unless it can be served."""
     definition.spec().validate(schedule=definition.name)
     for label, value in (("args", definition.args), ("kwargs", definition.kwargs), ("options", definition.options)):
+        if _plain(value):
+            continue  # the common case, checked without encoding (start-up with many schedules)
         try:
             json.dumps(value)
         except (TypeError, ValueError) as exc:
@@ -312,6 +315,16 @@ def validate(definition: ScheduleDefinition) -> ScheduleDefinition:
                 f"in the schedule table: {exc}"
             ) from None
     return definition
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _plain(value: list[Any] | dict[str, Any]) -> bool:
+    """Whether *value* is a flat list, or a dict with string keys, of JSON scalars."""
+    if isinstance(value, dict):
+        return all(type(key) is str for key in value) and all(type(item) in _SCALARS for item in value.values())
+    return all(type(item) in _SCALARS for item in value)
 
 
 def _definition(
@@ -326,6 +339,7 @@ def _definition(
     app: Celery,
     allow_missing: bool,
     extra: Mapping[str, Any] | None = None,
+    app_timezone: str | None = None,
 ) -> ScheduleDefinition:
     common: dict[str, Any] = {
         "name": name,
@@ -344,7 +358,9 @@ def _definition(
     if isinstance(value, timedelta):
         return ScheduleDefinition(kind="interval", interval_seconds=value.total_seconds(), timezone=timezone, **common)
     if isinstance(value, crontab):
-        return ScheduleDefinition(kind="crontab", cron=crontab_expression(value), timezone=_app_timezone(app), **common)
+        # A crontab is in the app's zone, as under Celery's own scheduler.
+        zone = app_timezone or _app_timezone(app)
+        return ScheduleDefinition(kind="crontab", cron=crontab_expression(value), timezone=zone, **common)
     if type(value) is schedule:
         return ScheduleDefinition(
             kind="interval", interval_seconds=value.run_every.total_seconds(), timezone=timezone, **common
@@ -376,6 +392,7 @@ def _count(value: int | None, schedule: str, label: str) -> int | None:
 #: crontab_expression's results by the fields as written: thousands of schedules often
 #: share a handful of crontabs, and spelling one out costs tens of microseconds.
 _CRONTAB_EXPRESSIONS: dict[tuple[str, ...], str] = {}
+_LAST_CRONTAB: tuple[crontab, str] | None = None
 
 
 def crontab_expression(value: crontab) -> str:
@@ -384,6 +401,15 @@ def crontab_expression(value: crontab) -> str:
     Fields keep ``*`` and ``*/n`` where they came that way (the DST rule for repeated wall
     times looks at the hour field); anything else is spelled out as a list.
     """
+    global _LAST_CRONTAB
+    if _LAST_CRONTAB is not None and _LAST_CRONTAB[0] is value:  # one object shared by many entries
+        return _LAST_CRONTAB[1]
+    expression = _crontab_expression(value)
+    _LAST_CRONTAB = (value, expression)  # holds the object: its id cannot be reused
+    return expression
+
+
+def _crontab_expression(value: crontab) -> str:
     originals = (value._orig_minute, value._orig_hour, value._orig_day_of_month, value._orig_month_of_year,
                  value._orig_day_of_week)  # fmt: skip
     if not all(isinstance(original, (str, int)) for original in originals):

@@ -25,7 +25,7 @@ from .dispatcher import BrokerUnavailable, Dispatcher
 from .errors import DatabaseConflict, DatabaseUnavailable, InvalidSchedule
 from .metrics import metrics, serve_beat_metrics
 from .registry import collect_definitions, registrations
-from .store import Probe, RunState, Store
+from .store import Probe, RunState, ScheduleDefinition, Store, SyncReport, digest_of
 
 logger = logging.getLogger("celery_leasebeat.scheduler")
 
@@ -50,7 +50,8 @@ OVERDUE_CHECK_SECONDS = 10.0
 #: the next occurrence, and the others look only this much later, so they do not race it
 #: for every occurrence yet take over within this delay when it died.
 TAKEOVER_DELAY_SECONDS = 0.25
-#: How often the registrations are upserted again although nothing changed in this process.
+#: How often to look whether the last sync was another replica's, with other definitions
+#: (a rolling deploy), and upsert this replica's again if so.
 RESYNC_SECONDS = 300.0
 
 
@@ -70,7 +71,11 @@ class LeaseScheduler(Scheduler):
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         self._config: LeaseBeatConfig | None = None
         self._store: Store | None = None
-        self._definitions: list[Any] = []
+        #: Held from start-up until synced, then dropped: a replica's memory does not grow
+        #: with the schedules it is not dispatching.
+        self._definitions: list[ScheduleDefinition] | None = None
+        self._digest = ""
+        self._schedule_count = 0
         self._synced_version: int | None = None
         self._failures = 0
         self._inflight: dict[str, _InFlight] = {}
@@ -92,8 +97,9 @@ class LeaseScheduler(Scheduler):
         malformed. Touches no database: the first tick syncs the registrations."""
         self._config = LeaseBeatConfig.from_app(self.app)
         self.max_interval = self._config.polling_interval
-        self._definitions = collect_definitions(self.app, self._config)
-        self._check_tasks()
+        self._collect()
+        assert self._definitions is not None
+        self._check_tasks(self._definitions)
         self._store = store_for(self.app)
         self._dispatcher = Dispatcher(self.app, self._store, self._config, self.Producer)
         if self._config.metrics_port is not None:
@@ -102,18 +108,24 @@ class LeaseScheduler(Scheduler):
         logger.info(
             "beat: leasebeat using %s with %d schedule(s), lease %ss, polling %ss, replica %s",
             self._store.safe_url,
-            len(self._definitions),
+            self._schedule_count,
             self._config.lease_seconds,
             self._config.polling_interval,
             self.owner,
         )
 
-    def _check_tasks(self) -> None:
+    def _collect(self) -> None:
+        assert self._config is not None
+        self._definitions = collect_definitions(self.app, self._config)
+        self._digest = digest_of(self._definitions)
+        self._schedule_count = len(self._definitions)
+
+    def _check_tasks(self, definitions: list[ScheduleDefinition]) -> None:
         assert self._config is not None
         if not self._config.check_tasks:
             return
         known = self.app.tasks
-        for definition in self._definitions:
+        for definition in definitions:
             if definition.task not in known:
                 raise InvalidSchedule(
                     f"schedule {definition.name!r}: unknown task {definition.task!r} (not "
@@ -195,7 +207,9 @@ class LeaseScheduler(Scheduler):
 
     def _sync_if_needed(self) -> None:
         """Upsert the registrations at start, when one is added at run time, after a database
-        outage, and every RESYNC_SECONDS (which restores a row another replica removed).
+        outage, and when the last sync was another replica's with other definitions (looked
+        at every RESYNC_SECONDS: one read of the registrations row). Definitions whose
+        digest the last sync recorded are not compared row by row.
 
         Rows no longer registered are removed only by the first sync of a replica, and never
         while leased: during a rolling deploy an old replica that restarts may remove what
@@ -207,8 +221,15 @@ class LeaseScheduler(Scheduler):
         if self._synced_version == registry.version and now < self._resync_due:
             return
         if self._synced_version is not None and self._synced_version != registry.version:
-            self._definitions = collect_definitions(self.app, self._config)  # registered after start
-        report = self._store.sync(self._definitions, remove_missing=not self._ever_synced)
+            self._collect()  # registered after start
+        if self._store.synced_digest() == self._digest:
+            report = SyncReport(skipped=True)
+        else:
+            if self._definitions is None:  # dropped after the last sync
+                self._collect()
+            assert self._definitions is not None
+            report = self._store.sync(self._definitions, remove_missing=not self._ever_synced, digest=self._digest)
+        self._definitions = None
         self._synced_version = registry.version
         self._ever_synced = True
         self._resync_due = now + RESYNC_SECONDS

@@ -361,6 +361,32 @@ def test_an_idle_tick_is_the_probe_alone(tmp_path: Path, cleanup: list[tuple[Cel
     scheduler.close()
 
 
+def test_a_replica_started_on_rows_that_match_its_definitions_compares_none(
+    tmp_path: Path, cleanup: list[tuple[Celery, str]]
+) -> None:
+    """The common restart: the last sync recorded these definitions' digest, so start-up
+    reads one row instead of every schedule, and no replica keeps the definitions once synced."""
+    app = make_app(sqlite_url(tmp_path))
+    cleanup.append((app, sqlite_url(tmp_path)))
+    for i in range(3):
+        register_schedule("proj.work", "0 0 1 1 *", name=f"yearly{i}", app=app)
+    first = LeaseScheduler(app)
+    first.tick()
+    assert first._definitions is None and len(store_of(app).list_schedules()) == 3
+    statements: list[str] = []
+    store = store_of(app)
+    for engine in {store.engine, store.probe_engine}:
+        event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    restarted = LeaseScheduler(app)
+    restarted.tick()
+    assert statements and not [sql for sql in statements if "kwargs" in sql], statements
+    assert restarted._definitions is None
+
+    register_schedule("proj.work", "0 0 1 1 *", name="added-at-run-time", app=app)
+    restarted.tick()
+    assert len(store.list_schedules()) == 4
+
+
 def test_missed_run_detection_flags_a_run_in_flight_that_did_not_start_within_grace(
     tmp_path: Path, cleanup: list[tuple[Celery, str]], caplog: pytest.LogCaptureFixture
 ) -> None:

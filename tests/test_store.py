@@ -9,10 +9,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
-from sqlalchemy import inspect, select, text
+from sqlalchemy import event, inspect, select, text
 
 from celery_leasebeat.errors import DatabaseUnavailable, InvalidCron, UnknownSchedule
-from celery_leasebeat.store import RunState, ScheduleDefinition, Store, run_id_for
+from celery_leasebeat.store import RunState, ScheduleDefinition, Store, digest_of, run_id_for
 
 from .conftest import MYSQL_URL, POSTGRES_URL, drop_tables, require_server
 from .tcp_proxy import TcpProxy
@@ -103,6 +103,54 @@ def test_sync_removes_code_rows_no_longer_registered(store: Store) -> None:
     assert report.removed == ["b"]
     with pytest.raises(UnknownSchedule):
         store.get_schedule("b")
+
+
+def test_a_sync_of_the_definitions_the_rows_already_match_reads_no_row(store: Store) -> None:
+    definitions = [every_minute("a"), every_minute("b")]
+    assert not store.sync(definitions).skipped
+    assert store.synced_digest() == digest_of(definitions) == digest_of(definitions[::-1])
+    statements: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    assert store.sync(definitions[::-1]).skipped
+    assert statements and not [sql for sql in statements if store.tables.schedules.name in sql], statements
+
+
+def test_rows_left_by_other_definitions_are_compared_again(store: Store) -> None:
+    ab = [every_minute("a"), every_minute("b")]
+    store.sync(ab)
+    # Another replica's code, without b and with other arguments for a, syncs without removing.
+    other = [every_minute("a", args=[1])]
+    assert store.sync(other).updated == ["a"]
+    assert store.synced_digest() is None  # b is still there: the rows match no one's definitions
+    again = store.sync(ab)
+    assert not again.skipped and again.updated == ["a"] and store.get_schedule("a")["args"] == []
+    assert store.synced_digest() == digest_of(ab) and store.sync(ab).skipped
+
+
+def test_a_removed_schedule_still_in_flight_leaves_no_digest(store: Store) -> None:
+    store.sync([every_minute("a"), every_minute("b")])
+    now = store.now()
+    make_due(store, "b", at=now - timedelta(seconds=1))
+    claim_all(store, now)
+    assert store.sync([every_minute("a")], remove_missing=True).removed == []
+    assert store.get_schedule("b")["lease_token"] is not None  # its run must be able to finish
+    assert store.synced_digest() is None
+
+
+def test_the_digest_changes_with_every_column_a_definition_sets() -> None:
+    base = every_minute("a")
+    variants = [
+        every_minute("b"),
+        every_minute("a", args=[1]),
+        every_minute("a", kwargs={"x": 1}),
+        every_minute("a", options={"queue": "q"}),
+        every_minute("a", timezone="Europe/Paris"),
+        every_minute("a", grace_seconds=5.0),
+        ScheduleDefinition(name="a", task="tasks.other", kind="cron", cron="* * * * *"),
+        ScheduleDefinition(name="a", task="tasks.work", kind="cron", cron="*/2 * * * *"),
+    ]
+    digests = {digest_of([base])} | {digest_of([variant]) for variant in variants}
+    assert len(digests) == 1 + len(variants)
 
 
 def test_sync_of_a_registry_larger_than_the_drivers_parameter_limit(store: Store) -> None:

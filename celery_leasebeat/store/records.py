@@ -151,3 +151,5 @@ class SyncReport:
     retimed: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    #: The rows already matched the definitions: nothing was read or written.
+    skipped: bool = False

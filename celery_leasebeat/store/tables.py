@@ -3,7 +3,8 @@
 ``schedules`` holds one row per schedule: its definition, when it fires next, what happened
 last, and the lease of the occurrence in flight. ``runs`` is the ledger: one row per claimed
 occurrence, unique on ``(schedule, occurrence)``; its primary key is the Celery task id.
-``replicas`` lists the beat processes and when each last completed a cycle.
+``replicas`` lists the beat processes and when each last completed a cycle;
+``registrations`` records what the last sync wrote.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class Tables:
     schedules: Table
     runs: Table
     replicas: Table
+    registrations: Table
     #: Alembic's version table, under the prefix: which migration the tables are at.
     version: Table
 
@@ -188,6 +190,18 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         Column("claims", Integer, nullable=False, default=0),
         Index(f"ix_{prefix}replicas_last_cycle_at", "last_cycle_at"),
     )
+    registrations = Table(
+        f"{prefix}registrations",
+        metadata,
+        # One row per source of schedule rows; "code" (register_schedule and beat_schedule)
+        # is the only one. ``digest`` identifies the definitions that source's rows match as
+        # the last sync left them (null: no replica's), so a replica whose definitions have
+        # that digest starts, and re-checks, without comparing every row. Syncs lock it.
+        Column("source", String(16), primary_key=True),
+        Column("digest", String(64)),
+        Column("schedules", Integer, nullable=False),
+        Column("synced_at", UTCDateTime, nullable=False),
+    )
     version = Table(
         f"{prefix}alembic_version",
         metadata,
@@ -195,4 +209,11 @@ def build_tables(prefix: str = "leasebeat_", schema: str | None = None) -> Table
         Column("version_num", String(32), nullable=False),
         PrimaryKeyConstraint("version_num", name=f"{prefix}alembic_version_pkc"),
     )
-    return Tables(metadata=metadata, schedules=schedules, runs=runs, replicas=replicas, version=version)
+    return Tables(
+        metadata=metadata,
+        schedules=schedules,
+        runs=runs,
+        replicas=replicas,
+        registrations=registrations,
+        version=version,
+    )
