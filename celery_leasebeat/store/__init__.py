@@ -217,27 +217,29 @@ class Store:
 
     @_translate_errors
     def ensure_schema(self) -> None:
-        """On first use (never at import): create the tables if they do not exist, stamped
-        with their migration, or check that existing ones have every column this version
-        reads. One metadata query per process."""
+        """On first use (never at import): check that existing tables have every column this
+        version reads, and create what is missing (stamping tables it creates with their
+        migration). One metadata query per process, plus create_all's checks for beat and
+        workers."""
         if self._schema_ready:
             return
         tables = self.tables
         columns = {c["name"] for c in self._inspect_columns(tables.schedules)}
-        if not columns:
-            if not self.create_tables:
-                raise MissingTables(
-                    f"no leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}): start beat once or "
-                    f"run `leasebeat migrate`"
-                )
-            self._create_tables()
-        else:
-            missing = [c.name for c in tables.schedules.columns if c.name not in columns]
-            if missing:
-                raise OutdatedTables(
-                    f"the leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}) were created by an "
-                    f"older version: {tables.schedules.name} lacks {', '.join(missing)}. Run `leasebeat migrate`."
-                )
+        missing = [c.name for c in tables.schedules.columns if c.name not in columns]
+        if columns and missing:
+            raise OutdatedTables(
+                f"the leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}) were created by an "
+                f"older version: {tables.schedules.name} lacks {', '.join(missing)}. Run `leasebeat migrate`."
+            )
+        if self.create_tables:
+            # Also when the schedules exist: a process creating the tables at this moment may
+            # not have created the others yet.
+            self._create_tables(stamp=not columns)
+        elif not columns:
+            raise MissingTables(
+                f"no leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}): start beat once or "
+                f"run `leasebeat migrate`"
+            )
         self._schema_ready = True
 
     def _inspect_columns(self, table: Any) -> list[Any]:
@@ -247,13 +249,15 @@ class Store:
         except NoSuchTableError:
             return []
 
-    def _create_tables(self) -> None:
+    def _create_tables(self, *, stamp: bool) -> None:
         tables = self.tables
         try:
             tables.metadata.create_all(self.engine, checkfirst=True)
         except (IntegrityError, ProgrammingError, OperationalError):
             # Another process created them at the same moment: fine if they exist now.
             tables.metadata.create_all(self.engine, checkfirst=True)
+        if not stamp:
+            return
         try:
             with self.engine.begin() as connection:
                 if connection.execute(select(tables.version.c.version_num)).first() is None:
