@@ -45,6 +45,7 @@ class Scale:
     startup_statements: int | None = None  # database statements until then (leasebeat, django)
     rss_bytes: int | None = None  # VmRSS after the idle window
     peak_rss_bytes: int | None = None  # VmHWM: the most it ever held (start-up included)
+    app_rss_bytes: int | None = None  # VmRSS of a process that only imports the same app
     window_seconds: float | None = None  # the idle window the per-cycle figures cover
     cycles: int | None = None  # completed idle ticks in the window
     failed_cycles: int | None = None  # ticks in the window that raised or logged an error
@@ -113,6 +114,16 @@ def memory(pid: int) -> tuple[int, int]:
         if key in ("VmRSS", "VmHWM"):
             fields[key] = int(value.split()[0]) * 1024
     return fields["VmRSS"], fields["VmHWM"]
+
+
+def app_footprint(env: Mapping[str, str]) -> int:
+    """VmRSS of a Python process that imports benchapp with *env* and does nothing else: the
+    share of beat's memory that is the app's own (its ``beat_schedule``, Celery, the drivers)."""
+    script = "import os, benchmarks.benchapp; from benchmarks.scale import memory; print(memory(os.getpid())[0])"
+    done = subprocess.run([sys.executable, "-c", script], env=dict(env), cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"importing the app failed: {done.stderr.strip()[-500:]}")
+    return int(done.stdout.split()[-1])
 
 
 def redis_commands(url: str) -> int:
@@ -298,6 +309,7 @@ def scale(
         after = _fresh_counts(count_file, time.time(), beat)
         result.rss_bytes, result.peak_rss_bytes = memory(beat.pid)
         _per_cycle(result, before, after, redis_after - redis_before)
+        result.app_rss_bytes = app_footprint(env)
         result.complete = True
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
         result.error = f"{exc} (logs in {folder})"
@@ -373,14 +385,17 @@ def markdown_scale(results: Sequence[Scale | Mapping[str, Any]]) -> list[str]:
         "spawning the process until its first completed cycle, one that neither raised nor logged an",
         "error (leasebeat's first cycle writes the rows; *restart* is a second start against rows",
         "already there, the common case). Memory: resident set after the idle window (peak in",
-        "brackets). Per idle cycle, over the window: what the scheduler asks of its store (SQL",
-        "statements, counted inside beat; commits and rollbacks, pool pre-pings and new connections",
-        "are round trips too; RedBeat: the command count of its Redis, a private one when",
+        "brackets), and that of a process that only imports the same app (its `beat_schedule`, Celery,",
+        "the drivers), the part no scheduler can shed. Per idle cycle, over the window: what the",
+        "scheduler asks of its store (SQL statements, counted inside beat; commits and rollbacks, pool",
+        "pre-pings and new connections are round trips too; RedBeat: the command count of its Redis, a",
+        "private one when",
         "`redis-server` is installed), the mean wall time inside one cycle (the longest in brackets),",
         "and the time between cycles.",
         "",
-        "| schedules | scheduler | start-up | RSS (peak) | per idle cycle | wall per cycle | between cycles |",
-        "|---:|---|---:|---:|---|---:|---:|",
+        "| schedules | scheduler | start-up | RSS (peak) | the app alone | per idle cycle | wall per cycle "
+        "| between cycles |",
+        "|---:|---|---:|---:|---:|---|---:|---:|",
     ]
     notes = []
     for entry in _entries(results):
@@ -392,7 +407,7 @@ def markdown_scale(results: Sequence[Scale | Mapping[str, Any]]) -> list[str]:
         if entry["error"]:
             notes.append(f"{_label(entry)} at {entry['schedules']:,}: {entry['error']}.".replace("|", "/"))
         if not entry["complete"]:
-            lines.append(f"| {entry['schedules']:,} | {_label(entry)} | failed (below) | {rss} | – | – | – |")
+            lines.append(f"| {entry['schedules']:,} | {_label(entry)} | failed (below) | {rss} | – | – | – | – |")
             continue
         wall = "–"
         if entry["tick_ms"] is not None:
@@ -400,8 +415,9 @@ def markdown_scale(results: Sequence[Scale | Mapping[str, Any]]) -> list[str]:
             if entry.get("longest_tick_ms") is not None:
                 wall += f" ({entry['longest_tick_ms']:,.0f})"
         between = "–" if entry["interval_seconds"] is None else f"{entry['interval_seconds']:.1f} s"
+        app = "–" if entry.get("app_rss_bytes") is None else f"{entry['app_rss_bytes'] / 2**20:,.0f} MiB"
         lines.append(
-            f"| {entry['schedules']:,} | {_label(entry)} | {entry['startup_seconds']:,.1f} s | {rss} "
+            f"| {entry['schedules']:,} | {_label(entry)} | {entry['startup_seconds']:,.1f} s | {rss} | {app} "
             f"| {entry['per_cycle']} | {wall} | {between} |"
         )
     if notes:

@@ -33,6 +33,7 @@ def test_scale_smoke_for_every_scheduler(tmp_path: Path) -> None:
         assert result.startup_seconds is not None and 0 < result.startup_seconds < 60, result
         assert result.rss_bytes is not None and result.rss_bytes > 10 * 2**20, result
         assert result.peak_rss_bytes is not None and result.peak_rss_bytes >= result.rss_bytes, result
+        assert result.app_rss_bytes is not None and 10 * 2**20 < result.app_rss_bytes < result.peak_rss_bytes, result
         # One-second cycles over six seconds: each beat ticked about six times.
         assert result.cycles is not None and 3 <= result.cycles <= 10, result
         assert result.interval_seconds is not None and 0.5 < result.interval_seconds < 2, result
