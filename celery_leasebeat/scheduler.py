@@ -75,6 +75,7 @@ class LeaseScheduler(Scheduler):
         #: with the schedules it is not dispatching.
         self._definitions: list[ScheduleDefinition] | None = None
         self._digest = ""
+        self._collected_version: int | None = None  # the registry's version _digest reflects
         self._schedule_count = 0
         self._synced_version: int | None = None
         self._failures = 0
@@ -116,6 +117,7 @@ class LeaseScheduler(Scheduler):
 
     def _collect(self) -> None:
         assert self._config is not None
+        self._collected_version = registrations(self.app).version
         self._definitions = collect_definitions(self.app, self._config)
         self._digest = digest_of(self._definitions)
         self._schedule_count = len(self._definitions)
@@ -220,8 +222,8 @@ class LeaseScheduler(Scheduler):
         now = time.monotonic()
         if self._synced_version == registry.version and now < self._resync_due:
             return
-        if self._synced_version is not None and self._synced_version != registry.version:
-            self._collect()  # registered after start
+        if self._collected_version != registry.version:
+            self._collect()  # registered after start-up collected the others
         if self._store.synced_digest() == self._digest:
             report = SyncReport(skipped=True)
         else:

@@ -362,7 +362,7 @@ def test_an_idle_tick_is_the_probe_alone(tmp_path: Path, cleanup: list[tuple[Cel
 
 
 def test_a_replica_started_on_rows_that_match_its_definitions_compares_none(
-    tmp_path: Path, cleanup: list[tuple[Celery, str]]
+    tmp_path: Path, cleanup: list[tuple[Celery, str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The common restart: the last sync recorded these definitions' digest, so start-up
     reads one row instead of every schedule, and no replica keeps the definitions once synced."""
@@ -378,13 +378,19 @@ def test_a_replica_started_on_rows_that_match_its_definitions_compares_none(
     for engine in {store.engine, store.probe_engine}:
         event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
     restarted = LeaseScheduler(app)
-    restarted.tick()
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "sync", lambda *args, **kwargs: pytest.fail("synced rows that already match"))
+        restarted.tick()
     assert statements and not [sql for sql in statements if "kwargs" in sql], statements
     assert restarted._definitions is None
 
     register_schedule("proj.work", "0 0 1 1 *", name="added-at-run-time", app=app)
     restarted.tick()
     assert len(store.list_schedules()) == 4
+    late = LeaseScheduler(app)
+    register_schedule("proj.work", "0 0 1 1 *", name="added-before-its-first-tick", app=app)
+    late.tick()
+    assert len(store.list_schedules()) == 5
 
 
 def test_missed_run_detection_flags_a_run_in_flight_that_did_not_start_within_grace(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -146,11 +147,48 @@ def test_the_digest_changes_with_every_column_a_definition_sets() -> None:
         every_minute("a", options={"queue": "q"}),
         every_minute("a", timezone="Europe/Paris"),
         every_minute("a", grace_seconds=5.0),
+        every_minute("a", max_runtime_seconds=60.0),
+        every_minute("a", after="upstream"),
+        every_minute("a", inline_cap=10),
+        every_minute("a", daily_cap=10),
+        every_minute("a", dedupe_seconds=30.0),
+        ScheduleDefinition(name="a", task="tasks.work", kind="interval", interval_seconds=60.0),
         ScheduleDefinition(name="a", task="tasks.other", kind="cron", cron="* * * * *"),
         ScheduleDefinition(name="a", task="tasks.work", kind="cron", cron="*/2 * * * *"),
     ]
     digests = {digest_of([base])} | {digest_of([variant]) for variant in variants}
     assert len(digests) == 1 + len(variants)
+
+
+def test_syncs_at_the_same_moment_take_turns(store: Store, database_url: str) -> None:
+    """Replicas of different code starting together: each sync waits for the other's (the
+    registrations row is locked first: on InnoDB, locking it after INSERT IGNORE deadlocked)."""
+    store.sync([every_minute("a")])  # the registrations row exists
+    replicas = [Store(database_url, table_prefix=store.table_prefix) for _ in range(2)]
+    definitions = [[every_minute("a"), every_minute("b")], [every_minute("a"), every_minute("c")]]
+    errors: list[BaseException] = []
+    try:
+        for _ in range(3):
+            barrier = threading.Barrier(2)
+
+            def sync(index: int, barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                try:
+                    replicas[index].sync(definitions[index])
+                except BaseException as exc:  # noqa: BLE001 (reported below)
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=sync, args=(i,)) for i in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        for replica in replicas:
+            replica.dispose()
+    assert errors == []
+    assert {row["name"] for row in store.list_schedules()} == {"a", "b", "c"}
+    assert store.synced_digest() is None  # the rows match neither replica's definitions
 
 
 def test_sync_of_a_registry_larger_than_the_drivers_parameter_limit(store: Store) -> None:
@@ -395,6 +433,27 @@ def test_the_probe_reports_when_runs_in_flight_are_due_again_until_their_leases_
     assert store.probe().next_following == claims["c"].following
     assert finish(store, claims["c"], RunState.FAILED, 5).applied
     assert store.probe().next_following is None
+
+
+def test_lease_times_are_stored_in_utc_whatever_the_sessions_zone(table_prefix: str) -> None:
+    """Aware datetimes in a CASE (mark_dispatched) must not reach PostgreSQL as timestamptz,
+    which a session west of UTC would store hours early: leases expired at once."""
+    require_server(POSTGRES_URL, "PostgreSQL")
+    zone = {"connect_args": {"options": "-c timezone=America/New_York"}}
+    store = Store(POSTGRES_URL, table_prefix=table_prefix, engine_options=zone)
+    try:
+        yearly = ScheduleDefinition(name="a", task="tasks.work", kind="cron", cron="0 0 1 1 *")
+        every_7s = ScheduleDefinition(name="d", task="tasks.work", kind="interval", interval_seconds=7.0)
+        store.sync([yearly, every_7s])
+        now = store.now()
+        make_due(store, "a", "d", at=now - timedelta(seconds=1))
+        claims = claim_all(store, now, lease=60)
+        store.mark_dispatched(claims)
+        for claim in claims:
+            row = store.get_schedule(claim.schedule)
+            assert (row["lease_until"], row["following_at"]) == (claim.lease_until, claim.following)
+    finally:
+        drop_tables(store)
 
 
 def test_give_up_records_lost_and_advances(store: Store) -> None:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, and_, case, create_engine, delete, event, func, inspect, or_, select
+from sqlalchemy import Connection, and_, case, create_engine, delete, event, func, inspect, literal, or_, select
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import (
     DBAPIError,
@@ -68,7 +68,7 @@ from .records import (
     run_id_for,
     spec_for,
 )
-from .tables import SCHEMA_REVISION, Tables, build_tables
+from .tables import SCHEMA_REVISION, Tables, UTCDateTime, build_tables
 
 __all__ = [
     "ClaimedRun",
@@ -223,14 +223,7 @@ class Store:
         workers."""
         if self._schema_ready:
             return
-        tables = self.tables
-        columns = {c["name"] for c in self._inspect_columns(tables.schedules)}
-        missing = [c.name for c in tables.schedules.columns if c.name not in columns]
-        if columns and missing:
-            raise OutdatedTables(
-                f"the leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}) were created by an "
-                f"older version: {tables.schedules.name} lacks {', '.join(missing)}. Run `leasebeat migrate`."
-            )
+        columns = self._check_columns()
         if self.create_tables:
             # Also when the schedules exist: a process creating the tables at this moment may
             # not have created the others yet.
@@ -242,12 +235,21 @@ class Store:
             )
         self._schema_ready = True
 
-    def _inspect_columns(self, table: Any) -> list[Any]:
-        """The columns *table* has in the database; empty when it does not exist."""
+    def _check_columns(self) -> set[str]:
+        """The schedules table's columns (none when it does not exist); :class:`OutdatedTables`
+        when it lacks one this version reads."""
+        schedules = self.tables.schedules
         try:
-            return inspect(self.engine).get_columns(table.name, schema=table.schema)
+            columns = {c["name"] for c in inspect(self.engine).get_columns(schedules.name, schema=schedules.schema)}
         except NoSuchTableError:
-            return []
+            return set()
+        missing = [c.name for c in schedules.columns if c.name not in columns]
+        if missing:
+            raise OutdatedTables(
+                f"the leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}) were created by an "
+                f"older version: {schedules.name} lacks {', '.join(missing)}. Run `leasebeat migrate`."
+            )
+        return columns
 
     def _create_tables(self, *, stamp: bool) -> None:
         tables = self.tables
@@ -258,6 +260,7 @@ class Store:
             tables.metadata.create_all(self.engine, checkfirst=True)
         if not stamp:
             return
+        self._check_columns()  # an older version may have created them at the same moment
         try:
             with self.engine.begin() as connection:
                 if connection.execute(select(tables.version.c.version_num)).first() is None:
@@ -334,11 +337,17 @@ class Store:
 
         with self._transaction() as connection:
             now = self._now(connection)
-            connection.execute(
-                insert_ignoring_duplicates(self.engine, g),
-                [{"source": _CODE, "digest": None, "schedules": 0, "synced_at": now}],
-            )
-            synced = connection.execute(select(g.c.digest).where(g.c.source == _CODE).with_for_update()).scalar_one()
+            registration = select(g.c.digest).where(g.c.source == _CODE).with_for_update()
+            row = connection.execute(registration).one_or_none()
+            if row is None:  # the first sync: create the row (or wait for a racing one's), then lock it
+                connection.execute(
+                    insert_ignoring_duplicates(self.engine, g),
+                    [{"source": _CODE, "digest": None, "schedules": 0, "synced_at": now}],
+                )
+                row = connection.execute(registration).one()
+            # Locked first and inserted only when missing: on InnoDB, INSERT IGNORE of an
+            # existing row takes a shared lock, and two syncs upgrading theirs would deadlock.
+            synced = row.digest
             if synced == digest:
                 return SyncReport(skipped=True)
             by_name = {d.name: d for d in definitions}
@@ -650,8 +659,8 @@ class Store:
             by_following.setdefault(claim.following, []).append(claim.schedule)
         if len(by_following) == 1:  # the common case: a burst of one expression, or one schedule
             following: Any = published[0].following
-        else:
-            following = case(*((s.c.name.in_(names), at) for at, names in by_following.items()))
+        else:  # CASE results are untyped: bind them as the column's type (UTC, naive)
+            following = case(*((s.c.name.in_(names), _instant(at)) for at, names in by_following.items()))
         with self._transaction() as connection:
             now = database_now(self.engine)
             connection.execute(
@@ -660,7 +669,7 @@ class Store:
                 .values(
                     # A worker that started the run may have extended the lease already.
                     lease_until=case(
-                        (s.c.lease_until < published[0].lease_until, published[0].lease_until),
+                        (s.c.lease_until < published[0].lease_until, _instant(published[0].lease_until)),
                         else_=s.c.lease_until,
                     ),
                     following_at=following,
@@ -1279,6 +1288,13 @@ def advance(spec: Spec, occurrence: datetime, now: datetime) -> tuple[datetime, 
         return following, 0
     missed = occurrences_between(spec, occurrence, now, MAX_MISSED_COUNT)
     return spec.next_after(now, previous=occurrence), missed
+
+
+def _instant(value: datetime) -> Any:
+    """*value* bound as a UTCDateTime where SQLAlchemy cannot infer it (a CASE result):
+    otherwise an aware datetime reaches PostgreSQL as timestamptz and is shifted into the
+    session's zone when stored."""
+    return literal(value, UTCDateTime())
 
 
 def _appended_alert(runs: Any, limit: float, duration_ms: int) -> Any:
