@@ -11,6 +11,7 @@ import os
 import socket
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -70,6 +71,13 @@ def store(database_url: str, table_prefix: str) -> Iterator[Store]:
     store = Store(database_url, table_prefix=table_prefix)
     yield store
     drop_tables(store)
+
+
+def make_all_due(store: Store, ago: timedelta = timedelta(seconds=1)) -> None:
+    """Set every schedule's next run *ago* in the past (database clock)."""
+    due = store.now() - ago
+    with store.engine.begin() as connection:
+        connection.execute(store.tables.schedules.update().values(next_run_at=due))
 
 
 def drop_tables(store: Store) -> None:

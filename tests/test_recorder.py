@@ -7,7 +7,6 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 
 import pytest
 from celery import Celery
@@ -17,7 +16,7 @@ from celery_leasebeat import LeaseScheduler, register_schedule
 from celery_leasebeat.recorder import HEADER_OCCURRENCE, HEADER_SCHEDULE, HEADER_TOKEN
 from celery_leasebeat.store import RunState, Store
 
-from .conftest import POSTGRES_URL, REDIS_URL, drop_tables, require_server
+from .conftest import POSTGRES_URL, REDIS_URL, drop_tables, make_all_due, require_server
 
 BODIES: list[str] = []
 
@@ -57,9 +56,7 @@ def dispatch_now(app: Celery) -> tuple[LeaseScheduler, Store]:
     scheduler = LeaseScheduler(app)
     scheduler.tick()
     store: Store = app._leasebeat_store  # type: ignore[attr-defined]
-    due = store.now() - timedelta(seconds=1)
-    with store.engine.begin() as connection:
-        connection.execute(store.tables.schedules.update().values(next_run_at=due))
+    make_all_due(store)
     scheduler.tick()
     return scheduler, store
 

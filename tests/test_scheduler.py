@@ -23,7 +23,7 @@ from celery_leasebeat import LeaseScheduler, register_schedule
 from celery_leasebeat.scheduler import TAKEOVER_DELAY_SECONDS
 from celery_leasebeat.store import RunState, Store
 
-from .conftest import POSTGRES_URL, REDIS_URL, drop_tables, require_server, sqlite_url
+from .conftest import POSTGRES_URL, REDIS_URL, drop_tables, make_all_due, require_server, sqlite_url
 from .tcp_proxy import TcpProxy
 
 
@@ -83,9 +83,7 @@ def three_due_jobs(app: Celery) -> tuple[LeaseScheduler, Store]:
     scheduler = LeaseScheduler(app)
     scheduler.tick()
     store = store_of(app)
-    due = store.now() - timedelta(seconds=1)
-    with store.engine.begin() as connection:
-        connection.execute(store.tables.schedules.update().values(next_run_at=due))
+    make_all_due(store)
     return scheduler, store
 
 
@@ -181,10 +179,7 @@ def test_database_outage_backs_off_and_never_double_dispatches(
 
         proxy.restore()
         scheduler.tick()  # syncs the registrations
-        s = store.tables.schedules
-        due = store.now() - timedelta(seconds=1)
-        with store.engine.begin() as connection:
-            connection.execute(s.update().values(next_run_at=due))
+        make_all_due(store)
         for _ in range(3):
             scheduler.tick()
         dispatched = drain(app)
@@ -402,9 +397,7 @@ def test_missed_run_detection_flags_a_run_in_flight_that_did_not_start_within_gr
     scheduler = LeaseScheduler(app)
     scheduler.tick()
     store = store_of(app)
-    due = store.now() - timedelta(milliseconds=500)
-    with store.engine.begin() as connection:
-        connection.execute(store.tables.schedules.update().values(next_run_at=due))
+    make_all_due(store, timedelta(milliseconds=500))
     scheduler.tick()  # dispatched; no worker starts it
     assert [r["state"] for r in store.list_runs()] == [RunState.DISPATCHED]
     time.sleep(1.2)

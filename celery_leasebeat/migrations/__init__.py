@@ -14,7 +14,6 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
 
 from ..store import Store
 from ..store.tables import SCHEMA_REVISION
@@ -58,11 +57,8 @@ def upgrade(store: Store, revision: str = "head") -> tuple[str | None, str]:
     """
     config = alembic_config(store)
     before = current(store)
-    schedules = store.tables.schedules
-    inspector = inspect(store.engine)
-    if before is None and inspector.has_table(schedules.name, schema=schedules.schema):
-        present = {column["name"] for column in inspector.get_columns(schedules.name, schema=schedules.schema)}
-        complete = all(column.name in present for column in schedules.columns)
-        command.stamp(config, SCHEMA_REVISION if complete else "0001")
+    missing = store.missing_columns() if before is None else None
+    if missing is not None:  # tables without a stamp
+        command.stamp(config, "0001" if missing else SCHEMA_REVISION)
     command.upgrade(config, revision)
     return before, current(store) or "base"

@@ -223,33 +223,37 @@ class Store:
         workers."""
         if self._schema_ready:
             return
-        columns = self._check_columns()
+        exists = self._check_columns()
         if self.create_tables:
             # Also when the schedules exist: a process creating the tables at this moment may
             # not have created the others yet.
-            self._create_tables(stamp=not columns)
-        elif not columns:
+            self._create_tables(stamp=not exists)
+        elif not exists:
             raise MissingTables(
                 f"no leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}): start beat once or "
                 f"run `leasebeat migrate`"
             )
         self._schema_ready = True
 
-    def _check_columns(self) -> set[str]:
-        """The schedules table's columns (none when it does not exist); :class:`OutdatedTables`
-        when it lacks one this version reads."""
+    def missing_columns(self) -> list[str] | None:
+        """The schedules columns this version reads that the database lacks; None when the
+        table does not exist."""
         schedules = self.tables.schedules
         try:
-            columns = {c["name"] for c in inspect(self.engine).get_columns(schedules.name, schema=schedules.schema)}
+            present = {c["name"] for c in inspect(self.engine).get_columns(schedules.name, schema=schedules.schema)}
         except NoSuchTableError:
-            return set()
-        missing = [c.name for c in schedules.columns if c.name not in columns]
+            return None
+        return [c.name for c in schedules.columns if c.name not in present]
+
+    def _check_columns(self) -> bool:
+        """Whether the tables exist; :class:`OutdatedTables` when they lack a column."""
+        missing = self.missing_columns()
         if missing:
             raise OutdatedTables(
                 f"the leasebeat tables in {self.safe_url} (prefix {self.table_prefix!r}) were created by an "
-                f"older version: {schedules.name} lacks {', '.join(missing)}. Run `leasebeat migrate`."
+                f"older version: {self.tables.schedules.name} lacks {', '.join(missing)}. Run `leasebeat migrate`."
             )
-        return columns
+        return missing is not None
 
     def _create_tables(self, *, stamp: bool) -> None:
         tables = self.tables
@@ -347,8 +351,7 @@ class Store:
                 row = connection.execute(registration).one()
             # Locked first and inserted only when missing: on InnoDB, INSERT IGNORE of an
             # existing row takes a shared lock, and two syncs upgrading theirs would deadlock.
-            synced = row.digest
-            if synced == digest:
+            if row.digest == digest:
                 return SyncReport(skipped=True)
             by_name = {d.name: d for d in definitions}
             # One pass over the table, streamed, compared here: no IN list of every name
